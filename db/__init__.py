@@ -1,0 +1,1 @@
+"""The results database: SQLAlchemy models, Alembic migrations, engines and the tuner's writes."""

@@ -1,0 +1,277 @@
+"""The results database: typed SQLAlchemy models.
+
+Optuna's RDB storage lives in the same database and owns unprefixed tables (``studies``,
+``trials``, ``alembic_version``, ...), so every table of ours starts with ``mt_``. Migrations in
+``db/migrations`` create these tables; a test checks that they match this module.
+
+Ownership: a study owns its trials, a trial owns its requests, steps, expert statistics and
+telemetry (``ON DELETE CASCADE``). Models and workloads are shared look-ups: deleting one that a
+study still uses is refused.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+TABLE_PREFIX = "mt_"
+
+#: Deterministic constraint and index names, so that migrations can refer to them by name
+#: (SQLite batch mode needs names to drop or alter a constraint).
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TRIAL_STATES = ("running", "complete", "failed", "infeasible", "pruned")
+BACKENDS = ("live", "sim")
+
+JSONDict = dict[str, Any]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (what every ``*_at`` column stores)."""
+    return datetime.now(UTC)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    # A literal list in DDL (not user data): the allowed values of an enumerated column.
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every moetune table."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        JSONDict: JSON,
+        list[Any]: JSON,
+        list[str]: JSON,
+        list[float]: JSON,
+        float: Double,
+        datetime: DateTime(timezone=True),
+    }
+
+
+class Model(Base):
+    """A model checkpoint, identified by a fingerprint of its config and weights."""
+
+    __tablename__ = "mt_models"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    arch: Mapped[str | None] = mapped_column(String(128))
+    n_params: Mapped[int | None] = mapped_column(BigInteger)
+    shapes: Mapped[JSONDict | None]
+    identity: Mapped[JSONDict | None]
+    """The whole identity dict the engine reported (columns above are copies of its keys)."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    studies: Mapped[list[Study]] = relationship(back_populates="model", passive_deletes="all")
+
+
+class Workload(Base):
+    """A request trace (synthetic, built in or imported), identified by a fingerprint."""
+
+    __tablename__ = "mt_workloads"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(255))
+    source: Mapped[str | None] = mapped_column(Text)
+    n_requests: Mapped[int | None]
+    duration_s: Mapped[float | None]
+    # ``metadata`` is reserved on declarative classes; the column keeps the plain name.
+    meta: Mapped[JSONDict | None] = mapped_column("metadata")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    studies: Mapped[list[Study]] = relationship(back_populates="workload", passive_deletes="all")
+
+
+class Study(Base):
+    """One tuning study: what was tuned, on what, for which SLO; the Optuna study beside it."""
+
+    __tablename__ = "mt_studies"
+    __table_args__ = (CheckConstraint(_in("backend", BACKENDS), name="backend"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    optuna_study_name: Mapped[str] = mapped_column(String(512))
+    model_id: Mapped[int] = mapped_column(ForeignKey("mt_models.id", ondelete="RESTRICT"), index=True)
+    workload_id: Mapped[int] = mapped_column(ForeignKey("mt_workloads.id", ondelete="RESTRICT"), index=True)
+    hardware: Mapped[JSONDict]
+    hardware_hash: Mapped[str] = mapped_column(String(64))
+    software: Mapped[JSONDict]
+    slo: Mapped[JSONDict]
+    objectives: Mapped[list[str]]
+    backend: Mapped[str] = mapped_column(String(16))
+    search_space_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    model: Mapped[Model] = relationship(back_populates="studies")
+    workload: Mapped[Workload] = relationship(back_populates="studies")
+    trials: Mapped[list[Trial]] = relationship(
+        back_populates="study", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Trial(Base):
+    """One configuration run (an Optuna trial or a baseline) and its summary metrics."""
+
+    __tablename__ = "mt_trials"
+    __table_args__ = (
+        CheckConstraint(_in("state", TRIAL_STATES), name="state"),
+        UniqueConstraint("study_id", "number"),
+        # Also serves every lookup by study_id alone (leading column).
+        Index(None, "study_id", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("mt_studies.id", ondelete="CASCADE"))
+    number: Mapped[int | None]
+    """Optuna's trial number within the study."""
+    config: Mapped[JSONDict]
+    config_hash: Mapped[str] = mapped_column(String(64), index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    is_baseline: Mapped[bool] = mapped_column(default=False)
+    baseline_name: Mapped[str | None] = mapped_column(String(128))
+
+    output_tokens_per_s: Mapped[float | None]
+    requests_per_s: Mapped[float | None]
+    goodput_rps: Mapped[float | None]
+    slo_attainment: Mapped[float | None]
+    ttft_p50_ms: Mapped[float | None]
+    ttft_p90_ms: Mapped[float | None]
+    ttft_p99_ms: Mapped[float | None]
+    tpot_p50_ms: Mapped[float | None]
+    tpot_p90_ms: Mapped[float | None]
+    tpot_p99_ms: Mapped[float | None]
+    e2e_p50_ms: Mapped[float | None]
+    e2e_p90_ms: Mapped[float | None]
+    e2e_p99_ms: Mapped[float | None]
+    itl_p50_ms: Mapped[float | None]
+    itl_p90_ms: Mapped[float | None]
+    itl_p99_ms: Mapped[float | None]
+    quality_top1_agreement: Mapped[float | None]
+    quality_mean_kl: Mapped[float | None]
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    peak_device_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    duration_s: Mapped[float | None]
+    summary: Mapped[JSONDict | None]
+    """The whole ``RunResult.summary()`` dict; the columns above are copies of its main keys."""
+    meta: Mapped[JSONDict | None]
+    """``RunResult.meta``: model, config, hardware and software of this very run."""
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+    study: Mapped[Study] = relationship(back_populates="trials")
+    requests: Mapped[list[RequestRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
+    )
+    steps: Mapped[list[StepRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
+    )
+    expert_stats: Mapped[list[ExpertStatRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
+    )
+    telemetry: Mapped[list[TelemetryRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class RequestRow(Base):
+    """One request of a trial. Times in seconds from the start of the run."""
+
+    __tablename__ = "mt_requests"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"), index=True)
+    request_id: Mapped[str] = mapped_column(String(255))
+    tag: Mapped[str | None] = mapped_column(String(255))
+    arrival_s: Mapped[float]
+    prompt_tokens: Mapped[int]
+    output_tokens: Mapped[int]
+    ttft_ms: Mapped[float | None]
+    tpot_ms: Mapped[float | None]
+    e2e_ms: Mapped[float | None]
+    first_token_s: Mapped[float | None]
+    finish_s: Mapped[float | None]
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    met_slo: Mapped[bool | None]
+    itl_ms: Mapped[list[float] | None]
+
+    trial: Mapped[Trial] = relationship(back_populates="requests")
+
+
+class StepRow(Base):
+    """One engine step (one forward pass over the scheduled batch) of a trial."""
+
+    __tablename__ = "mt_steps"
+    __table_args__ = (Index(None, "trial_id", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    start_s: Mapped[float]
+    duration_ms: Mapped[float]
+    batch_seqs: Mapped[int]
+    prefill_tokens: Mapped[int]
+    decode_tokens: Mapped[int]
+
+    trial: Mapped[Trial] = relationship(back_populates="steps")
+
+
+class ExpertStatRow(Base):
+    """Tokens routed to one expert of one MoE layer during a trial, and where it lived."""
+
+    __tablename__ = "mt_expert_stats"
+    __table_args__ = (Index(None, "trial_id", "layer", "expert"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"))
+    layer: Mapped[int]
+    expert: Mapped[int]
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    resident: Mapped[bool]
+    precision: Mapped[str] = mapped_column(String(32))
+    replicas: Mapped[int]
+
+    trial: Mapped[Trial] = relationship(back_populates="expert_stats")
+
+
+class TelemetryRow(Base):
+    """A process and device reading ``t_s`` seconds from the start of a trial."""
+
+    __tablename__ = "mt_telemetry"
+    __table_args__ = (Index(None, "trial_id", "t_s"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"))
+    t_s: Mapped[float]
+    cpu_percent: Mapped[float]
+    rss_bytes: Mapped[int] = mapped_column(BigInteger)
+    gpu_util_percent: Mapped[float | None]
+    gpu_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_power_w: Mapped[float | None]
+
+    trial: Mapped[Trial] = relationship(back_populates="telemetry")

@@ -1,0 +1,104 @@
+"""Machine calibrations, measured once per machine and software and kept in the cache directory.
+
+- which matrix-product precision is faster here for expert-shaped products (bf16 pays only where the
+  CPU has AMX or AVX512_BF16; elsewhere oneDNN emulates it and fp32 wins);
+- the host's memory read bandwidth, the roofline's denominator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.env import cache_dir
+from engine.hwinfo import hardware
+
+log = logging.getLogger(__name__)
+
+
+def _store_key() -> str:
+    hw = hardware()
+    return f"{hw['fingerprint']}-torch{torch.__version__}-threads{torch.get_num_threads()}"
+
+
+def _load() -> dict[str, Any]:
+    path = cache_dir() / "calibration.json"
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _save(data: dict[str, Any]) -> None:
+    path = cache_dir() / "calibration.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def cached(name: str, measure) -> Any:
+    data = _load()
+    key = f"{_store_key()}:{name}"
+    if key not in data:
+        data[key] = measure()
+        _save(data)
+    return data[key]
+
+
+def _time_linear(dtype: torch.dtype, m: int, out_f: int, in_f: int, reps: int = 20) -> float:
+    x = torch.randn(m, in_f).to(dtype)
+    ws = [torch.randn(out_f, in_f).to(dtype) for _ in range(8)]
+    for w in ws:
+        F.linear(x, w)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            for w in ws:
+                F.linear(x, w)
+        best = min(best, time.perf_counter() - t)
+    return best / (reps * len(ws))
+
+
+def cpu_compute_dtype(stored: torch.dtype, hidden: int, inter: int) -> torch.dtype:
+    """The faster of ``stored`` (bf16/fp16) and fp32 for expert-shaped products on this CPU.
+
+    Times one token and sixteen tokens per product (decode and prefill); the half-precision type is
+    kept only when it is no slower at both.
+    """
+    if stored == torch.float32:
+        return stored
+
+    def measure() -> dict[str, Any]:
+        res = {}
+        for m in (1, 16):
+            res[f"m{m}"] = {str(dt): _time_linear(dt, m, 2 * inter, hidden) for dt in (stored, torch.float32)}
+        half_ok = all(r[str(stored)] <= r[str(torch.float32)] for r in res.values())
+        return {"times_s": res, "pick": str(stored) if half_ok else "torch.float32"}
+
+    got = cached(f"compute_dtype:{stored}:{hidden}x{inter}", measure)
+    log.info("compute dtype on this CPU for %s weights: %s (%s)", stored, got["pick"], got["times_s"])
+    return torch.float32 if got["pick"] == "torch.float32" else stored
+
+
+def memory_bandwidth_gbps() -> float:
+    """Host DRAM read bandwidth (GB/s) with the current thread count: a sum over a 512 MiB buffer."""
+
+    def measure() -> float:
+        buf = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB, far larger than caches
+        buf.sum()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - t)
+        return buf.numel() * 4 / best / 1e9
+
+    return float(cached("mem_bw_gbps", measure))

@@ -1,0 +1,260 @@
+"""``engine``: make models, generate, replay workloads, benchmark, list knobs.
+
+Every measuring command takes ``--json``: a readable table first, then one JSON object as the last
+line of stdout. Bad input is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig, add_cli_args, config_from_args, knob_table
+from engine.model.arch import ARCHS, CheckpointError
+from engine.model.maker import DEFAULT_ROUTER_SKEW, PRESETS
+
+DEFAULT_MODEL = "builtin:qwen3_moe-small"
+DEFAULT_WORKLOAD = "builtin:chat"
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str], fmt: dict[str, str] | None = None) -> str:
+    fmt = fmt or {}
+
+    def cell(row: dict[str, Any], c: str) -> str:
+        v = row.get(c)
+        if v is None:
+            return "-"
+        if c in fmt and isinstance(v, (int, float)):
+            return format(v, fmt[c])
+        return str(v)
+
+    cells = [[cell(r, c) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    base = EngineConfig.from_file(args.config) if getattr(args, "config", None) else None
+    return config_from_args(args, base)
+
+
+def _load_engine(args: argparse.Namespace):
+    from engine.runtime import Engine
+
+    cfg = _engine_config(args)
+    if getattr(args, "config", None):
+        _warn_if_tuned_elsewhere(args.config, args.model)
+    return Engine(args.model, cfg)
+
+
+def _warn_if_tuned_elsewhere(path: str, model: str) -> None:
+    """An exported tuner config names the model and hardware it was tuned for; say when they differ."""
+    from engine.hwinfo import hardware
+    from engine.model.checkpoint import Checkpoint
+    from engine.model.maker import resolve_model
+
+    with open(path) as fh:
+        data = json.load(fh)
+    if not isinstance(data, dict) or "engine_config" not in data:
+        return
+    tuned_model = (data.get("model") or {}).get("fingerprint")
+    if tuned_model and tuned_model != Checkpoint(resolve_model(model)).fingerprint():
+        print(f"engine: warning: {path} was tuned for another model ({(data.get('model') or {}).get('path')})",
+              file=sys.stderr)
+    tuned_hw = (data.get("hardware") or {}).get("fingerprint")
+    if tuned_hw and tuned_hw != hardware()["fingerprint"]:
+        print(f"engine: warning: {path} was tuned on other hardware "
+              f"({(data.get('hardware') or {}).get('cpu_model')})", file=sys.stderr)
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from engine.model.maker import make_model
+
+    made = make_model(args.out, args.arch, args.preset, seed=args.seed, dtype=args.dtype,
+                      router_skew=args.router_skew)
+    print(f"wrote {made.path}: {args.arch}-{args.preset}, {made.params / 1e6:.1f}M params, "
+          f"{made.bytes / 2**20:.0f} MiB ({args.dtype})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids={args.prompt_ids!r}: expected comma-separated integers") from None
+    engine = _load_engine(args)
+    import time
+
+    t = time.perf_counter()
+    out = engine.generate([prompt], args.max_new_tokens)[0]
+    dt = time.perf_counter() - t
+    print(" ".join(map(str, out)))
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt, "output_ids": out, "seconds": dt,
+                          "compute_dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device)}))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.runner import popularity, run_workload
+    from workloads.schema import load_workload
+
+    workload = load_workload(args.workload)
+    engine = _load_engine(args)
+    total = min(len(workload.requests), args.max_requests or len(workload.requests))
+    with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
+        def on_step(done: int, _total: int) -> None:
+            bar.update(done - bar.n)
+
+        result = run_workload(engine, workload, mode=args.mode, rate_scale=args.rate_scale,
+                              max_requests=args.max_requests, on_step=on_step)
+    s = result.summary()
+    print(f"model {engine.model_path} ({engine.spec.arch}, {result.meta['compute_dtype']} on {engine.device}); "
+          f"workload {workload.name} ({args.mode}); {s['requests_done']}/{s['requests']} requests in "
+          f"{s['duration_s']:.1f}s")
+    rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
+            for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
+    print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
+    print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
+          f"{s['steps']} steps, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
+    pop = popularity(result)
+    if args.popularity:
+        print(_table(pop, ["layer", "tokens", "top10pct_share", "entropy_norm", "hottest"],
+                     {"top10pct_share": ".2f", "entropy_norm": ".3f"}))
+    full = result.to_dict()
+    full["popularity"] = pop
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(full, fh)
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps(full))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import run_bench
+
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
+    engine = _load_engine(args)
+    res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
+    print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
+          f"{res['compute_dtype']} (stored {res['checkpoint_dtype']}) on {res['device']}, {res['threads']} threads; "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "roofline_decode_tokens_per_s",
+                               "roofline_fraction", "achieved_gb_per_s", "mem_bw_gb_per_s",
+                               "decode_experts_touched_per_layer"],
+                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "roofline_decode_tokens_per_s": ".1f",
+                  "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "mem_bw_gb_per_s": ".1f",
+                  "decode_experts_touched_per_layer": ".1f"}))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+def cmd_knobs(args: argparse.Namespace) -> int:
+    rows = knob_table()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(_table(rows, ["knob", "default", "range", "search", "doc"]))
+    return 0
+
+
+def cmd_compare_hf(args: argparse.Namespace) -> int:
+    from engine.compare_hf import main as compare_main
+
+    return compare_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    m = sub.add_parser("make-model", help="write a random-weight checkpoint in the Hugging Face layout")
+    m.add_argument("--arch", required=True, choices=ARCHS)
+    m.add_argument("--preset", default="tiny", choices=PRESETS)
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    m.add_argument("--router-skew", type=float, default=DEFAULT_ROUTER_SKEW,
+                   help="how heavy-tailed expert popularity is (0 = uniform random routers)")
+    m.set_defaults(fn=cmd_make_model)
+
+    def model_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
+        sp.add_argument("--config", help="engine config JSON (or a `tuner export` file)")
+        sp.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+        add_cli_args(sp)
+
+    g = sub.add_parser("generate", help="generate tokens for one prompt")
+    g.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    model_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    r = sub.add_parser("run", help="replay a workload and measure every request")
+    r.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    r.add_argument("--mode", choices=["realtime", "offline"], default="realtime")
+    r.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
+    r.add_argument("--max-requests", type=int, default=None)
+    r.add_argument("--popularity", action="store_true", help="print the expert popularity seen per layer")
+    r.add_argument("--out", help="write the full result JSON here")
+    r.add_argument("--quiet", action="store_true")
+    model_args(r)
+    r.set_defaults(fn=cmd_run)
+
+    b = sub.add_parser("bench", help="prefill/decode tokens/s per batch size against the bandwidth roofline")
+    b.add_argument("--batch", default="1,8,32")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    model_args(b)
+    b.set_defaults(fn=cmd_bench)
+
+    c = sub.add_parser("compare-hf", help="this engine vs Hugging Face transformers on the same checkpoint")
+    c.add_argument("--model", default="builtin:qwen3_moe-medium")
+    c.add_argument("--batch", default="1,32")
+    c.add_argument("--prompt-len", type=int, default=128)
+    c.add_argument("--new-tokens", type=int, default=64)
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--staggered", type=int, default=32, help="requests in the staggered-arrivals comparison (0=skip)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_compare_hf)
+
+    k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(fn=cmd_knobs)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from workloads.schema import WorkloadError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, CheckpointError, WorkloadError, ValueError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"engine: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("engine: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""What machine and software a result came from (recorded with every run)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from functools import lru_cache
+from importlib import metadata
+from typing import Any
+
+import psutil
+import torch
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@lru_cache(maxsize=1)
+def hardware() -> dict[str, Any]:
+    """CPU, memory and accelerator of this machine; ``fingerprint`` is a short hash of them."""
+    flags = cpu_flags()
+    info: dict[str, Any] = {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "mem_total_bytes": psutil.virtual_memory().total,
+        "cpu_features": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))),
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": p.name, "count": torch.cuda.device_count(), "mem_total_bytes": p.total_memory,
+                       "sm_count": p.multi_processor_count}
+    blob = json.dumps({k: info[k] for k in ("cpu_model", "cpu_cores", "gpu")}, sort_keys=True, default=str)
+    info["fingerprint"] = hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return info
+
+
+def software() -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
+            "cuda": torch.version.cuda or "none", "platform": platform.platform()}

@@ -1,0 +1,390 @@
+"""The decoder runtime: one forward pass over a flattened batch of prompt chunks and decode tokens.
+
+Every step runs all of its tokens (from any number of sequences, prefill or decode) through the
+dense parts and the experts as one matrix per weight: an expert sees every token routed to it in the
+step in one product (coalesced execution). Attention is the only per-sequence part: decode tokens
+attend in one batched call over the KV cache, prompt chunks one call per chunk.
+
+Shapes: T tokens in the step, H hidden, E experts, K top-k, I expert width, S sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.arch import ModelSpec, expert_tensor_names, router_name
+from engine.model.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Segment:
+    """A run of consecutive tokens of one sequence inside the step."""
+
+    slot: int  # KV cache slot of the sequence
+    start: int  # offset in the step's flattened tokens
+    n_tokens: int
+    past_len: int  # tokens of this sequence already in the cache
+    wants_logits: bool  # last token's logits are needed (end of prompt, or decode)
+
+
+@dataclass
+class StepBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    segments: list[Segment]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
+class RouteRecord:
+    """Expert choices of one MoE layer for every token of a step (for router traces)."""
+
+    layer: int
+    expert_ids: torch.Tensor  # [T, K] int64
+    gate_weights: torch.Tensor  # [T, K] float32
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wqkv: torch.Tensor  # [Q + 2 KV, H]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor  # [H, Q]
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    # MoE layers
+    router: torch.Tensor | None = None  # [E, H]
+    w13: torch.Tensor | None = None  # [E, 2I, H] gate rows then up rows
+    w2: torch.Tensor | None = None  # [E, H, I]
+    shared_w13: torch.Tensor | None = None  # [2S, H]
+    shared_w2: torch.Tensor | None = None  # [H, S]
+    shared_gate: torch.Tensor | None = None  # [1, H]
+    # dense MLP layers
+    mlp_w13: torch.Tensor | None = None  # [2D, H]
+    mlp_w2: torch.Tensor | None = None  # [H, D]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class KVCache:
+    """Per-layer K and V tensors of shape [slots, KV heads, capacity, head_dim]; capacity grows on demand."""
+
+    def __init__(self, spec: ModelSpec, n_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 initial_len: int = 256):
+        self.spec, self.n_slots, self.max_len, self.dtype, self.device = spec, n_slots, max_len, dtype, device
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(min(initial_len, max_len))
+
+    def ensure(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"sequence of {length} tokens exceeds max_seq_len_tokens={self.max_len}")
+        cap = min(self.max_len, max(length, 2 * self.capacity, 64))
+        shape = (self.n_slots, self.spec.n_kv_heads, cap, self.spec.head_dim)
+        new_k, new_v = [], []
+        for i in range(self.spec.n_layers):
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.capacity:
+                k[:, :, : self.capacity] = self.k[i]
+                v[:, :, : self.capacity] = self.v[i]
+            new_k.append(k)
+            new_v.append(v)
+        self.k, self.v, self.capacity = new_k, new_v, cap
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class RoPE:
+    """Rotary embedding tables (default RoPE), computed in fp32 and cast like the references."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+                                          / head_dim))
+        self.device = device
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; cos/sin: [T, d]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+@dataclass
+class MoEStats:
+    """Tokens routed per expert per MoE layer, accumulated over steps (on the model's device)."""
+
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_calls: int = 0
+    distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
+
+    def mean_distinct(self) -> float:
+        """Mean number of distinct experts one MoE layer ran per step."""
+        return self.distinct_experts / self.layer_calls if self.layer_calls else 0.0
+
+    def add(self, layer: int, expert_ids: torch.Tensor, n_experts: int) -> None:
+        c = torch.bincount(expert_ids.reshape(-1), minlength=n_experts)
+        if layer in self.counts:
+            self.counts[layer] += c
+        else:
+            self.counts[layer] = c
+
+    def reset(self) -> None:
+        self.counts.clear()
+        self.layer_calls = self.distinct_experts = 0
+
+
+class MoEDecoder:
+    """Weights of a checkpoint in the compute dtype on one device, and the forward pass."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device):
+        self.spec: ModelSpec = ckpt.spec
+        self.dtype = dtype
+        self.device = device
+        self.stats = MoEStats()
+        self.record_routes = False
+        self.routes: list[RouteRecord] = []
+        spec = self.spec
+        self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+        def load(names: list[str]) -> list[torch.Tensor]:
+            got = dict(ckpt.tensors(names))
+            return [got[n].to(device=device, dtype=dtype) for n in names]
+
+        (self.embed,) = load(["model.embed_tokens.weight"])
+        (self.final_norm,) = load(["model.norm.weight"])
+        self.lm_head = self.embed if spec.tie_word_embeddings else load(["lm_head.weight"])[0]
+        self.layers: list[LayerWeights] = []
+        for i in range(spec.n_layers):
+            self.layers.append(self._load_layer(ckpt, i, load))
+
+    def _load_layer(self, ckpt: Checkpoint, i: int, load) -> LayerWeights:
+        spec = self.spec
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        ln1, ln2, wq, wk, wv, wo = load([p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                                         a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                                         a + "o_proj.weight"])
+        bqkv = torch.cat(load([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])) if spec.qkv_bias else None
+        q_norm = k_norm = None
+        if spec.qk_norm != "none":
+            q_norm, k_norm = load([a + "q_norm.weight", a + "k_norm.weight"])
+        lw = LayerWeights(ln1, ln2, torch.cat([wq, wk, wv]).contiguous(), bqkv, wo, q_norm, k_norm)
+        if not spec.is_moe_layer(i):
+            g, u, d = load([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"])
+            lw.mlp_w13, lw.mlp_w2 = torch.cat([g, u]).contiguous(), d
+            return lw
+        (lw.router,) = load([router_name(spec, i)])
+        w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.dtype,
+                          device=self.device)
+        w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.dtype,
+                         device=self.device)
+        inter = spec.expert_intermediate
+        for e in range(spec.n_experts):
+            gate, up, down = load(list(expert_tensor_names(spec, i, e)))
+            w13[e, :inter] = gate
+            w13[e, inter:] = up
+            w2[e] = down
+        lw.w13, lw.w2 = w13, w2
+        if spec.shared_expert_intermediate:
+            s = p + "mlp.shared_expert."
+            g, u, d, sg = load([s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight",
+                                p + "mlp.shared_expert_gate.weight"])
+            lw.shared_w13, lw.shared_w2, lw.shared_gate = torch.cat([g, u]).contiguous(), d, sg
+        return lw
+
+    def weight_bytes(self) -> int:
+        ts = [self.embed, self.final_norm] + ([] if self.spec.tie_word_embeddings else [self.lm_head])
+        for lw in self.layers:
+            ts += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """Run one step; returns fp32 logits [S', V] for the segments with ``wants_logits``, in order."""
+        spec = self.spec
+        x = self.embed.index_select(0, batch.token_ids)  # [T, H]
+        cos, sin = self.rope.cos_sin(batch.positions, self.dtype)  # [T, d]
+        plan = _AttentionPlan(batch, cache, self.device)
+        if self.record_routes:
+            self.routes = []
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.ln1, spec.rms_eps)
+            x = x + self._attention(i, lw, h, cos, sin, plan, cache)
+            h = rms_norm(x, lw.ln2, spec.rms_eps)
+            x = x + (self._moe(i, lw, h) if lw.w13 is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h))
+        rows = [s.start + s.n_tokens - 1 for s in batch.segments if s.wants_logits]
+        if not rows:
+            return torch.empty(0, spec.vocab_size)
+        xr = x.index_select(0, torch.tensor(rows, device=self.device))
+        xr = rms_norm(xr, self.final_norm, spec.rms_eps)
+        return F.linear(xr, self.lm_head).float()  # [S', V]
+
+    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
+        spec = self.spec
+        t = h.shape[0]
+        qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, Q + 2KV]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        if spec.qk_norm == "full":
+            q = rms_norm(q, lw.q_norm, spec.rms_eps)
+            k = rms_norm(k, lw.k_norm, spec.rms_eps)
+        if spec.clip_qkv is not None:
+            q, k, v = (z.clamp(-spec.clip_qkv, spec.clip_qkv) for z in (q, k, v))
+        q = q.reshape(t, spec.n_heads, spec.head_dim)
+        k = k.reshape(t, spec.n_kv_heads, spec.head_dim)
+        v = v.reshape(t, spec.n_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q = rms_norm(q, lw.q_norm, spec.rms_eps)
+            k = rms_norm(k, lw.k_norm, spec.rms_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        kc, vc = cache.k[i], cache.v[i]
+        # Write the step's keys and values into the cache: [slot, head, pos, d].
+        kc[plan.slot_of_token, :, plan.pos_of_token] = k
+        vc[plan.slot_of_token, :, plan.pos_of_token] = v
+        out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=self.device)
+        if plan.decode_rows is not None:
+            qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, Hq, 1, d]
+            kd = plan.gather(kc)  # [B, KV, L, d]
+            vd = plan.gather(vc)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=self.scale,
+                                                enable_gqa=spec.n_kv_heads != spec.n_heads)
+            out.index_copy_(0, plan.decode_rows, od[:, :, 0, :])
+        for seg in plan.prefill:
+            end = seg.past_len + seg.n_tokens
+            qs = q[seg.start: seg.start + seg.n_tokens].transpose(0, 1)[None]  # [1, Hq, n, d]
+            ks = kc[seg.slot: seg.slot + 1, :, :end]  # [1, KV, past+n, d]
+            vs = vc[seg.slot: seg.slot + 1, :, :end]
+            mask = plan.prefill_mask(seg, spec.sliding_window)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                 scale=self.scale, enable_gqa=spec.n_kv_heads != spec.n_heads)
+            out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1)
+        return F.linear(out.reshape(t, spec.q_size), lw.wo)
+
+    def _mlp(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(h, w13)  # [T, 2D]
+        d = gu.shape[-1] // 2
+        return F.linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
+
+    def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over experts in fp32, top-k, optional renormalisation: ([T, K] weights, [T, K] ids)."""
+        logits = F.linear(h, lw.router)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)  # [T, K]
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        t, k = h.shape[0], spec.top_k
+        weights, ids = self.route(lw, h)
+        self.stats.add(i, ids, spec.n_experts)
+        if self.record_routes:
+            self.routes.append(RouteRecord(i, ids, weights))
+        flat = ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
+        self.stats.layer_calls += 1
+        self.stats.distinct_experts += sum(1 for n in counts if n)
+        tok = order // k  # token of each sorted assignment
+        xs = h.index_select(0, tok)  # [T*K, H] grouped by expert
+        ws = weights.reshape(-1).index_select(0, order).to(self.dtype)  # [T*K]
+        ys = torch.empty_like(xs)
+        inter = spec.expert_intermediate
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start: start + n]
+            gu = F.linear(seg, lw.w13[e])  # [n, 2I]
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
+            torch.mm(act, lw.w2[e].t(), out=ys[start: start + n])  # [n, H]
+            start += n
+        ys.mul_(ws[:, None])
+        out = torch.zeros_like(h).index_add_(0, tok, ys)  # [T, H]
+        if lw.shared_w13 is not None:
+            shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
+            out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
+        return out
+
+
+class _AttentionPlan:
+    """Index tensors for one step's attention, built once and shared by every layer."""
+
+    def __init__(self, batch: StepBatch, cache: KVCache, device: torch.device):
+        slots, poss = [], []
+        for s in batch.segments:
+            slots += [s.slot] * s.n_tokens
+            poss += range(s.past_len, s.past_len + s.n_tokens)
+        cache.ensure(max(s.past_len + s.n_tokens for s in batch.segments))
+        self.slot_of_token = torch.tensor(slots, device=device)
+        self.pos_of_token = torch.tensor(poss, device=device)
+        decode = [s for s in batch.segments if s.n_tokens == 1 and s.past_len > 0]
+        self.prefill = [s for s in batch.segments if not (s.n_tokens == 1 and s.past_len > 0)]
+        self.decode_rows = None
+        self.window = cache.spec.sliding_window
+        if decode:
+            self.decode_rows = torch.tensor([s.start for s in decode], device=device)
+            lens = torch.tensor([s.past_len + 1 for s in decode], device=device)
+            max_len = int(lens.max())
+            self.max_len = max_len
+            ar = torch.arange(max_len, device=device)
+            mask = ar[None, :] < lens[:, None]  # [B, L]
+            if self.window is not None:
+                mask &= ar[None, :] >= (lens[:, None] - self.window)
+            self.decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
+            slot_ids = [s.slot for s in decode]
+            lo = min(slot_ids)
+            # Contiguous ascending slots can be a view of the cache; otherwise gather (a copy).
+            self.slot_range = (lo, lo + len(slot_ids)) if slot_ids == list(range(lo, lo + len(slot_ids))) else None
+            self.slot_index = torch.tensor(slot_ids, device=device)
+        self.device = device
+
+    def gather(self, c: torch.Tensor) -> torch.Tensor:
+        if self.slot_range is not None:
+            return c[self.slot_range[0]: self.slot_range[1], :, : self.max_len]
+        return c[:, :, : self.max_len].index_select(0, self.slot_index)
+
+    def prefill_mask(self, seg: Segment, window: int | None) -> torch.Tensor | None:
+        if seg.past_len == 0 and window is None:
+            return None  # plain causal
+        end = seg.past_len + seg.n_tokens
+        qpos = torch.arange(seg.past_len, end, device=self.device)[:, None]
+        kpos = torch.arange(end, device=self.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        return mask[None, None]  # [1, 1, n, past+n]

@@ -1,0 +1,209 @@
+"""Random-weight MoE checkpoints in the Hugging Face layout, for tests, benchmarks and defaults.
+
+Random routers route almost uniformly, which would make every placement policy look useless:
+trained MoE models send most tokens to a few hot experts per layer. So the maker gives every token
+embedding a shared component along one direction ``u`` and adds ``skew * z_e * u`` to each expert's
+router row, with per-layer expert scores ``z_e`` (a seeded permutation of Gaussian quantiles). The
+router logit of expert e then carries a layer-dependent offset proportional to z_e, plus
+token-dependent noise: a heavy-tailed, layer-dependent popularity that still varies with the input.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from engine.env import cache_dir
+from engine.model.arch import ARCHS, CheckpointError, expected_tensors, router_name, spec_from_config
+
+log = logging.getLogger(__name__)
+
+PRESETS = ("tiny", "small", "medium")
+DEFAULT_ROUTER_SKEW = 1.0
+_U_SHARE = 0.5  # norm of the shared embedding component relative to the random part
+SHARD_BYTES = 1 << 30
+
+# Shapes per preset. "medium" matches the qwen3_moe model the peers were measured on (MACHINE.md).
+_SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, experts=8, top_k=2, expert_intermediate=32,
+                 dense_intermediate=96, shared_intermediate=48),
+    "small": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, experts=32, top_k=4, expert_intermediate=320,
+                  dense_intermediate=1024, shared_intermediate=640),
+    "medium": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64, experts=64, top_k=8, expert_intermediate=384,
+                   dense_intermediate=2048, shared_intermediate=1536),
+}
+
+
+def make_config(arch: str, preset: str, **overrides: Any) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict for ``arch`` at ``preset`` size; overrides win."""
+    if arch not in ARCHS:
+        raise CheckpointError(f"make-model: arch={arch!r}: expected one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise CheckpointError(f"make-model: preset={preset!r}: expected one of {', '.join(PRESETS)}")
+    s = _SHAPES[preset]
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "architectures": [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[arch]],
+        "vocab_size": s["vocab_size"],
+        "hidden_size": s["hidden_size"],
+        "num_hidden_layers": s["num_hidden_layers"],
+        "num_attention_heads": s["num_attention_heads"],
+        "num_key_value_heads": s["num_key_value_heads"],
+        "head_dim": s["head_dim"],
+        "num_experts_per_tok": s["top_k"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6 if arch != "olmoe" else 1e-5,
+        "rope_theta": 1e6 if arch != "olmoe" else 10000.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "output_router_logits": False,
+    }
+    if arch == "mixtral":
+        cfg.update(num_local_experts=s["experts"], intermediate_size=s["expert_intermediate"], sliding_window=None)
+    elif arch == "olmoe":
+        cfg.update(num_experts=s["experts"], intermediate_size=s["expert_intermediate"], norm_topk_prob=False,
+                   clip_qkv=None, attention_bias=False)
+    else:
+        cfg.update(num_experts=s["experts"], moe_intermediate_size=s["expert_intermediate"],
+                   intermediate_size=s["dense_intermediate"], decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=arch == "qwen3_moe", use_sliding_window=False, sliding_window=None)
+        if arch == "qwen2_moe":
+            cfg.update(shared_expert_intermediate_size=s["shared_intermediate"], qkv_bias=True)
+        else:
+            cfg.update(attention_bias=False)
+    cfg.update(overrides)
+    return cfg
+
+
+@dataclass
+class MadeModel:
+    path: Path
+    params: int
+    bytes: int
+
+
+def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 0, dtype: str = "bfloat16",
+               router_skew: float = DEFAULT_ROUTER_SKEW, config_overrides: dict[str, Any] | None = None,
+               shard_bytes: int = SHARD_BYTES) -> MadeModel:
+    """Write a random-weight checkpoint (config.json + safetensors, sharded with an index when large)."""
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise CheckpointError(f"make-model: dtype={dtype!r}: expected bfloat16, float16 or float32")
+    if router_skew < 0:
+        raise CheckpointError(f"make-model: router_skew={router_skew}: must be >= 0")
+    cfg = make_config(arch, preset, **(config_overrides or {}))
+    cfg["torch_dtype"] = dtype
+    spec = spec_from_config(cfg, "make-model")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    std = float(cfg.get("initializer_range", 0.02))
+    h = spec.hidden_size
+
+    # The shared direction that carries router skew through the residual stream.
+    u = torch.randn(h, generator=gen)
+    u /= u.norm()
+    names = expected_tensors(spec)
+    routers = {router_name(spec, i): i for i in spec.moe_layers}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_size = [0]
+    total_params = 0
+    down_std = std / math.sqrt(2.0 * spec.n_layers)  # residual-branch outputs scaled as in GPT-2's init
+    for name, shape in names.items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t = torch.ones(shape)
+        elif name == "model.embed_tokens.weight":
+            # Unit-variance embeddings keep each token's identity dominant in the residual stream; with
+            # small ones, every layer's nearly token-independent attention output would dominate, and
+            # the routers of deeper layers would all pick the same experts.
+            t = torch.randn(shape, generator=gen)
+            if router_skew > 0:
+                t += _U_SHARE * math.sqrt(h) * u  # the shared component along u (a fraction of the norm)
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
+            t = torch.randn(shape, generator=gen) * down_std
+        else:
+            t = torch.randn(shape, generator=gen) * std
+        if name in routers:
+            t -= (t @ u)[:, None] * u[None, :]  # no accidental offsets from the shared component
+            if router_skew > 0:
+                layer = routers[name]
+                lg = torch.Generator().manual_seed(seed * 1000 + layer + 1)
+                q = (torch.arange(spec.n_experts, dtype=torch.float32) + 0.5) / spec.n_experts
+                z = torch.special.ndtri(q)[torch.randperm(spec.n_experts, generator=lg)]  # [E]
+                layer_skew = router_skew * (0.6 + 0.8 * torch.rand((), generator=lg).item())
+                # x_norm . u = |x| a / sqrt(1+a^2) and the random logit part has std std |x| / sqrt(1+a^2):
+                # this offsets expert e's logit by layer_skew * z_e of those standard deviations.
+                t += (layer_skew * std / _U_SHARE) * z[:, None] * u[None, :]
+        t = t.to(torch_dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shard_size[-1] and shard_size[-1] + nbytes > shard_bytes:
+            shards.append({})
+            shard_size.append(0)
+        shards[-1][name] = t
+        shard_size[-1] += nbytes
+        total_params += t.numel()
+
+    for old in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        index = {"metadata": {"total_size": sum(shard_size)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg["moetune"] = {"preset": preset, "seed": seed, "router_skew": router_skew, "maker": "engine make-model"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False}, indent=2))
+    log.info("wrote %s: %s-%s, %.1fM params", out, arch, preset, total_params / 1e6)
+    return MadeModel(out, total_params, sum(shard_size))
+
+
+def resolve_model(model: str) -> Path:
+    """A model path, or ``builtin:<arch>-<preset>`` made once into the cache directory and reused."""
+    if not model.startswith("builtin:"):
+        return Path(model)
+    name = model[len("builtin:"):]
+    arch, _, preset = name.rpartition("-")
+    if arch not in ARCHS or preset not in PRESETS:
+        raise CheckpointError(
+            f"{model}: expected builtin:<arch>-<preset> with arch in {', '.join(ARCHS)} "
+            f"and preset in {', '.join(PRESETS)}")
+    root = cache_dir() / "models"
+    path = root / name
+    if (path / "config.json").exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    # Several tuner workers may ask at once: one makes it, the others wait on the lock.
+    with (root / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            tmp = root / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("making %s into %s (once)", model, path)
+            make_model(tmp, arch, preset)
+            tmp.rename(path)
+    return path

@@ -1,0 +1,156 @@
+"""What a run measured: per request, per step, per expert, telemetry, and the summary.
+
+Metric definitions follow DESIGN.md: TTFT is arrival to first token; TPOT is
+(end-to-end - TTFT) / (output tokens - 1), the first token excluded (vLLM's definition);
+ITL are the gaps between consecutive tokens of one request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    """One request's timeline. Times are seconds from the start of the run."""
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    first_token_s: float | None
+    finish_s: float | None
+    itl_ms: list[float]
+    finish_reason: str  # "length" | "eos" | "rejected"
+    tag: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_s is None else (self.first_token_s - self.arrival_s) * 1e3
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.finish_s is None else (self.finish_s - self.arrival_s) * 1e3
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.output_tokens < 2 or self.finish_s is None or self.first_token_s is None:
+            return None
+        return (self.finish_s - self.first_token_s) * 1e3 / (self.output_tokens - 1)
+
+    def to_dict(self, with_ids: bool = False) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if not with_ids:
+            d.pop("output_ids")
+        d.update(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, e2e_ms=self.e2e_ms)
+        return d
+
+
+@dataclass
+class StepRecord:
+    """One engine step (one forward pass over the scheduled batch)."""
+
+    step: int
+    start_s: float
+    duration_ms: float
+    batch_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass
+class TelemetrySample:
+    """Process and device readings at ``t_s`` seconds from the start of the run."""
+
+    t_s: float
+    cpu_percent: float
+    rss_bytes: int
+    gpu_util_percent: float | None = None
+    gpu_mem_bytes: int | None = None
+    gpu_power_w: float | None = None
+
+
+@dataclass
+class ExpertStat:
+    """Tokens routed to one expert of one MoE layer during the run."""
+
+    layer: int
+    expert: int
+    tokens: int
+    resident: bool = True
+    precision: str = ""
+    replicas: int = 0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no values."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class RunResult:
+    """Everything one run measured, plus what it ran (model, config, hardware, software)."""
+
+    meta: dict[str, Any]
+    requests: list[RequestResult]
+    steps: list[StepRecord]
+    telemetry: list[TelemetrySample]
+    expert_stats: list[ExpertStat]
+    duration_s: float
+    peak_rss_bytes: int
+    peak_device_mem_bytes: int | None = None
+    quality: dict[str, float] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """Totals and percentiles; the numbers the tuner and the dashboard read."""
+        done = [r for r in self.requests if r.finish_reason != "rejected"]
+        out_tokens = sum(r.output_tokens for r in done)
+        s: dict[str, Any] = {
+            "requests": len(self.requests),
+            "requests_done": len(done),
+            "requests_rejected": len(self.requests) - len(done),
+            "prompt_tokens": sum(r.prompt_tokens for r in done),
+            "output_tokens": out_tokens,
+            "duration_s": self.duration_s,
+            "output_tokens_per_s": out_tokens / self.duration_s if self.duration_s > 0 else 0.0,
+            "requests_per_s": len(done) / self.duration_s if self.duration_s > 0 else 0.0,
+            "steps": len(self.steps),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_device_mem_bytes": self.peak_device_mem_bytes,
+        }
+        series = {
+            "ttft_ms": [r.ttft_ms for r in done],
+            "tpot_ms": [r.tpot_ms for r in done],
+            "e2e_ms": [r.e2e_ms for r in done],
+            "itl_ms": [x for r in done for x in r.itl_ms],
+        }
+        for name, vals in series.items():
+            clean = [v for v in vals if v is not None]
+            s[f"{name}_mean"] = sum(clean) / len(clean) if clean else None
+            for q in PERCENTILES:
+                s[f"{name}_p{q}"] = percentile(clean, q)
+        if self.quality:
+            s.update({f"quality_{k}": v for k, v in self.quality.items()})
+        return s
+
+    def to_dict(self, with_ids: bool = False) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "summary": self.summary(),
+            "requests": [r.to_dict(with_ids) for r in self.requests],
+            "steps": [dataclasses.asdict(s) for s in self.steps],
+            "telemetry": [dataclasses.asdict(t) for t in self.telemetry],
+            "expert_stats": [dataclasses.asdict(e) for e in self.expert_stats],
+        }

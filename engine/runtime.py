@@ -1,0 +1,245 @@
+"""The serving runtime: sequences, KV cache slots, continuous batching steps and sampling.
+
+``Engine`` holds one loaded model. Requests join with :meth:`Engine.add`; each :meth:`Engine.step`
+runs one forward pass over what the scheduler picked and returns the tokens it produced. The same
+code runs on CUDA and on the CPU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.calibrate import cpu_compute_dtype
+from engine.config import ConfigError, EngineConfig
+from engine.model.checkpoint import Checkpoint
+from engine.model.decoder import KVCache, MoEDecoder, Segment, StepBatch
+from engine.model.maker import resolve_model
+from engine.scheduler import plan_step
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    key: str  # the caller's request id
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int = -1
+    n_prefilled: int = 0
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        return self.n_prefilled >= len(self.prompt)
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens whose keys and values are in the cache."""
+        return self.n_prefilled + max(0, len(self.output) - 1)
+
+
+@dataclass
+class StepOutcome:
+    """What one step did: timing, batch shape, and the tokens it produced per request key."""
+
+    duration_s: float
+    batch_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    tokens: list[tuple[str, int]]  # (request key, token id) in step order
+    finished: list[Sequence]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device='cuda': no CUDA device is available on this machine")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int, inter: int) -> torch.dtype:
+    if name == "checkpoint":
+        return stored
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return stored if stored != torch.float32 else torch.float32
+    return cpu_compute_dtype(stored, hidden, inter)
+
+
+class Engine:
+    """One loaded model plus the runtime state of the sequences it serves."""
+
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        rt = self.config.runtime
+        if rt.threads:
+            torch.set_num_threads(rt.threads)
+        self.model_path = resolve_model(str(model))
+        self.ckpt = Checkpoint(self.model_path)
+        self.spec = self.ckpt.spec
+        self.device = pick_device(rt.device)
+        self.dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, self.device, self.spec.hidden_size,
+                                self.spec.expert_intermediate)
+        t = time.perf_counter()
+        self.model = MoEDecoder(self.ckpt, self.dtype, self.device)
+        self.load_s = time.perf_counter() - t
+        self.fingerprint = self.ckpt.fingerprint()
+        log.info("loaded %s (%s, %s on %s) in %.1fs", self.model_path, self.spec.arch, self.dtype, self.device,
+                 self.load_s)
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        s = self.config.scheduler
+        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, self.device)
+        self.free_slots = list(range(s.max_batch_seqs))
+        heapq.heapify(self.free_slots)
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self._next_id = 0
+        self.last_token_owners: list[tuple[str, int, int]] = []
+        self.generator = torch.Generator(device="cpu").manual_seed(self.config.runtime.seed)
+
+    def reconfigure(self, config: EngineConfig) -> float:
+        """Apply a new config without reloading weights when only runtime knobs change; returns seconds."""
+        t = time.perf_counter()
+        old = self.config
+        config.validate()
+        if (config.runtime.device, config.runtime.compute_dtype) != (old.runtime.device, old.runtime.compute_dtype):
+            self.__init__(self.model_path, config)  # a different device or precision needs the weights again
+            return time.perf_counter() - t
+        self.config = config
+        if config.runtime.threads:
+            torch.set_num_threads(config.runtime.threads)
+        self._reset_runtime()
+        return time.perf_counter() - t
+
+    # ------------------------------------------------------------------ requests
+    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
+        if not prompt:
+            raise ValueError(f"request {key}: empty prompt")
+        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"request {key}: token id {bad[0]} outside the vocabulary of {self.spec.vocab_size}")
+        seq = Sequence(self._next_id, key, list(prompt), max_new_tokens)
+        self._next_id += 1
+        if len(prompt) + max_new_tokens > self.config.scheduler.max_seq_len_tokens:
+            seq.finish_reason = "rejected"
+            log.warning("request %s: %d prompt + %d new tokens exceed max_seq_len_tokens=%d; rejected", key,
+                        len(prompt), max_new_tokens, self.config.scheduler.max_seq_len_tokens)
+            return seq
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> StepOutcome:
+        """Schedule and run one forward pass; sample one token for every sequence that completed a prompt
+        or decoded."""
+        t0 = time.perf_counter()
+        plan = plan_step(self.running, [s.prompt_len for s in self.waiting], self.config.scheduler)
+        for _ in range(plan.admit):
+            seq = self.waiting.popleft()
+            seq.slot = heapq.heappop(self.free_slots)
+            self.running.append(seq)
+        by_id = {s.seq_id: s for s in self.running}
+        admitted = self.running[len(self.running) - plan.admit:] if plan.admit else []
+        ids: list[int] = []
+        pos: list[int] = []
+        segments: list[Segment] = []
+        order: list[Sequence] = []  # sequences whose logits come back, in order
+        seg_owner: list[Sequence] = []
+        decode_seqs = [by_id[i] for i in plan.decode]
+        # Decode tokens first, in slot order, so their cache rows are often one contiguous view.
+        for seq in sorted(decode_seqs, key=lambda s: s.slot):
+            p = seq.cached_len
+            segments.append(Segment(seq.slot, len(ids), 1, p, True))
+            seg_owner.append(seq)
+            ids.append(seq.output[-1])
+            pos.append(p)
+            order.append(seq)
+        prefill_tokens = 0
+        for sid, n in plan.prefill:
+            seq = admitted[-sid - 1] if sid < 0 else by_id[sid]
+            start = seq.n_prefilled
+            done = start + n >= seq.prompt_len
+            segments.append(Segment(seq.slot, len(ids), n, start, done))
+            seg_owner.append(seq)
+            ids += seq.prompt[start: start + n]
+            pos += range(start, start + n)
+            seq.n_prefilled += n
+            prefill_tokens += n
+            if done:
+                order.append(seq)
+        # Which request owns which rows of the step (router traces split by it).
+        self.last_token_owners = [(seq.key, seg.start, seg.n_tokens) for seg, seq in zip(segments, seg_owner, strict=True)]
+        if not segments:
+            return StepOutcome(time.perf_counter() - t0, 0, 0, 0, [], [])
+        batch = StepBatch(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), segments)
+        logits = self.model.forward(batch, self.cache)  # [S', V]
+        next_ids = self._sample(logits).tolist()
+        produced: list[tuple[str, int]] = []
+        finished: list[Sequence] = []
+        eos = set(self.spec.eos_token_ids)
+        for seq, tok in zip(order, next_ids, strict=True):
+            seq.output.append(tok)
+            produced.append((seq.key, tok))
+            if len(seq.output) >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+            elif not self.config.sampling.ignore_eos and tok in eos:
+                seq.finish_reason = "eos"
+            if seq.finish_reason:
+                finished.append(seq)
+        if finished:
+            done_ids = {s.seq_id for s in finished}
+            self.running = [s for s in self.running if s.seq_id not in done_ids]
+            for s in finished:
+                heapq.heappush(self.free_slots, s.slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutcome(time.perf_counter() - t0, len({s.slot for s in segments}), prefill_tokens,
+                           len(decode_seqs), produced, finished)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        sp = self.config.sampling
+        if sp.temperature == 0.0:
+            return logits.argmax(dim=-1)
+        logits = logits.cpu() / sp.temperature
+        if sp.top_k:
+            kth = torch.topk(logits, min(sp.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the most likely token
+            sorted_p = sorted_p * keep
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Generate for a list of prompts (offline, continuous batching); returns the new token ids."""
+        seqs = [self.add(str(i), p, max_new_tokens) for i, p in enumerate(prompts)]
+        while self.has_work:
+            self.step()
+        return [s.output for s in seqs]
