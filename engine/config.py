@@ -220,7 +220,10 @@ class EngineConfig:
 
     def replace(self, **flat: Any) -> EngineConfig:
         """A copy with knobs changed by flat name (``max_batch_seqs=8``), validated."""
-        return EngineConfig.from_dict({**self.to_dict(), **_nest(flat, "replace()")}, source="replace()")
+        data = self.to_dict()
+        for area, values in _nest(flat, "replace()").items():
+            data[area].update(values)
+        return EngineConfig.from_dict(data, source="replace()")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:
@@ -258,10 +261,6 @@ class EngineConfig:
     def validate(self, source: str = "config") -> None:
         """Cross-field checks; each error names the fields and their values."""
         s = self.scheduler
-        if s.prefill_chunk_tokens > s.max_batch_tokens:
-            raise ConfigError(
-                f"{source}: scheduler.prefill_chunk_tokens={s.prefill_chunk_tokens} exceeds "
-                f"scheduler.max_batch_tokens={s.max_batch_tokens}")
         if s.max_batch_seqs > s.max_batch_tokens:
             raise ConfigError(
                 f"{source}: scheduler.max_batch_seqs={s.max_batch_seqs} exceeds "

@@ -39,6 +39,9 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
     """
     if rate_scale <= 0:
         raise ValueError(f"rate_scale={rate_scale}: must be > 0")
+    if workload.router_trace is not None:
+        # A trace recorded with another model would mislead every placement decision built on it.
+        workload.router_trace.check_model(engine.spec.identity(engine.fingerprint), f"workload {workload.name}")
     requests = list(workload.requests)[: max_requests or None]
     seed = engine.config.runtime.seed
     prompts = {r.request_id: r.prompt_token_ids(engine.spec.vocab_size, seed) for r in requests}
@@ -133,22 +136,22 @@ def expert_stats(engine: Engine) -> list[ExpertStat]:
 
 
 def popularity(result: RunResult) -> list[dict[str, Any]]:
-    """Per MoE layer: the share of routed tokens that the hottest 10 % of experts got, and the top experts."""
+    """Per MoE layer: tokens routed, the share the hottest 10 % of experts got, normalised entropy, and
+    the hottest experts (the same skew measures ``workloads show`` reports for router traces)."""
+    from workloads.router import normalized_entropy, top_share
+
     by_layer: dict[int, list[int]] = {}
     for s in result.expert_stats:
         by_layer.setdefault(s.layer, []).append(s.tokens)
     rows = []
     for layer, counts in sorted(by_layer.items()):
         c = np.array(counts, dtype=np.float64)
-        total = c.sum()
-        if total == 0:
+        if c.sum() == 0:
             continue
-        share = np.sort(c / total)[::-1]
-        n_top = max(1, int(round(len(c) * 0.1)))
-        p = c[c > 0] / total
-        rows.append({"layer": layer, "tokens": int(total), "top10pct_share": float(share[:n_top].sum()),
-                     "entropy_norm": float(-(p * np.log(p)).sum() / np.log(len(c))),
-                     "hottest": [int(i) for i in np.argsort(-c)[:5]]})
+        p = c / c.sum()
+        rows.append({"layer": layer, "tokens": int(c.sum()), "top10pct_share": float(top_share(p, 0.1)),
+                     "entropy_norm": float(normalized_entropy(p)),
+                     "hottest": [int(i) for i in np.argsort(-c, kind="stable")[:5]]})
     return rows
 
 

@@ -210,11 +210,13 @@ class MoEDecoder:
         w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.dtype,
                          device=self.device)
         inter = spec.expert_intermediate
-        for e in range(spec.n_experts):
-            gate, up, down = load(list(expert_tensor_names(spec, i, e)))
-            w13[e, :inter] = gate
-            w13[e, inter:] = up
-            w2[e] = down
+        names = [list(expert_tensor_names(spec, i, e)) for e in range(spec.n_experts)]
+        got = dict(ckpt.tensors([n for trio in names for n in trio]))  # each file opened once per layer
+        for e, (gate, up, down) in enumerate(names):
+            w13[e, :inter] = got[gate]
+            w13[e, inter:] = got[up]
+            w2[e] = got[down]
+        del got
         lw.w13, lw.w2 = w13, w2
         if spec.shared_expert_intermediate:
             s = p + "mlp.shared_expert."
@@ -319,9 +321,7 @@ class MoEDecoder:
         counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
         self.stats.layer_calls += 1
         self.stats.distinct_experts += sum(1 for n in counts if n)
-        tok = order // k  # token of each sorted assignment
-        xs = h.index_select(0, tok)  # [T*K, H] grouped by expert
-        ws = weights.reshape(-1).index_select(0, order).to(self.dtype)  # [T*K]
+        xs = h.index_select(0, order // k)  # [T*K, H] grouped by expert
         ys = torch.empty_like(xs)
         inter = spec.expert_intermediate
         start = 0
@@ -333,8 +333,12 @@ class MoEDecoder:
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
             torch.mm(act, lw.w2[e].t(), out=ys[start: start + n])  # [n, H]
             start += n
-        ys.mul_(ws[:, None])
-        out = torch.zeros_like(h).index_add_(0, tok, ys)  # [T, H]
+        # Back to token order and a weighted sum over each token's k experts: a gather and a batched
+        # product (index_add_ would scatter row by row).
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = ys.index_select(0, inverse).view(t, k, -1)  # [T, K, H]
+        out = torch.bmm(weights.to(self.dtype)[:, None, :], y)[:, 0]  # [T, H]
         if lw.shared_w13 is not None:
             shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
             out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared

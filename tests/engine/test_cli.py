@@ -1,0 +1,88 @@
+"""The `engine` command: every measuring subcommand ends with one JSON object; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+from engine.model.maker import make_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli-model")
+    make_model(d, "olmoe", "tiny", seed=1)
+    return str(d)
+
+
+def last_json(capsys) -> dict:
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_make_model_and_generate(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-model", "--arch", "mixtral", "--preset", "tiny", "--out", str(out), "--seed", "2"]) == 0
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--prompt-ids", "1,2,3,4", "--max-new-tokens", "5", "--json"]) == 0
+    res = last_json(capsys)
+    assert res["prompt_ids"] == [1, 2, 3, 4] and len(res["output_ids"]) == 5
+
+
+def test_run_json_has_requests_steps_totals_for_50_requests(model_dir, capsys):
+    assert main(["run", "--model", model_dir, "--workload", "builtin:chat", "--mode", "offline",
+                 "--popularity", "--json", "--quiet"]) == 0
+    res = last_json(capsys)
+    assert len(res["requests"]) >= 50
+    r = res["requests"][0]
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "prompt_tokens", "output_tokens", "arrival_s"):
+        assert key in r
+    s = res["summary"]
+    for key in ("output_tokens_per_s", "requests_per_s", "peak_rss_bytes", "ttft_ms_p99", "tpot_ms_p99"):
+        assert s[key] is not None
+    assert res["steps"] and {"duration_ms", "batch_seqs", "prefill_tokens", "decode_tokens"} <= set(res["steps"][0])
+    assert res["telemetry"] and "cpu_percent" in res["telemetry"][0]
+    assert res["popularity"] and res["meta"]["hybrid"] is False
+
+
+def test_bench_json(model_dir, capsys):
+    assert main(["bench", "--model", model_dir, "--batch", "1,3", "--prompt-len", "8", "--new-tokens", "4",
+                 "--repeats", "1", "--json"]) == 0
+    res = last_json(capsys)
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    for row in res["rows"]:
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["roofline_decode_tokens_per_s"] > 0 and row["weight_bytes_per_decode_step"] > 0
+
+
+def test_knobs(capsys):
+    assert main(["knobs"]) == 0
+    out = capsys.readouterr().out
+    assert "scheduler.max_batch_seqs" in out and "runtime.compute_dtype" in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["run", "--model", "/nonexistent/model", "--workload", "builtin:tiny"], "/nonexistent/model"),
+        (["run", "--model", "builtin:nope-tiny", "--workload", "builtin:tiny"], "builtin:nope-tiny"),
+        (["run", "--workload", "builtin:nope"], "nope"),
+        (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
+        (["run", "--max-batch-seqs", "0", "--workload", "builtin:tiny"], "scheduler.max_batch_seqs='0': below the minimum 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("engine: error: ") and needle in err and "\n" not in err
+
+
+def test_bad_config_file(tmp_path, model_dir, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"scheduler": {"max_batch_size": 4}}))
+    assert main(["generate", "--model", model_dir, "--prompt-ids", "1", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'scheduler.max_batch_size'" in err and str(cfg) in err

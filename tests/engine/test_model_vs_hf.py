@@ -1,0 +1,264 @@
+"""The engine's logits and greedy tokens against Hugging Face transformers on the same checkpoints.
+
+transformers (eager attention, eager experts) is the oracle: it runs each sequence alone in one pass,
+without cache or padding, while the engine packs prompts, prompt chunks and decode tokens of several
+sequences into shared steps over its KV cache. Skipped when transformers is not installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.model.arch import ARCHS, CheckpointError
+
+# fp32: logits of these random-weight models are O(1) (largest |logit| ~0.4-0.8). The engine sums in
+# other orders than transformers (fused qkv, experts batched per step, SDPA vs eager softmax), which
+# moves fp32 logits by ~2e-7 (measured). 1e-4 of the logit scale leaves ~500x headroom, and every
+# mistake tried moved them by more: rms eps doubled 3e-4, rope theta +10% 6e-4, top-k renormalisation
+# flipped 1.6e-2, sliding window off by one 8.5e-2.
+FP32_TOL = 1e-4
+# bf16: the engine's and transformers' bf16 logits part by one bf16 ulp of an O(1) logit (2^-8 ~ 4e-3,
+# measured on 3 seeds x 4 families), and transformers' own bf16 run is up to 1.1e-2 away from its
+# fp32 run of the same weights. 2e-2 of the scale bounds both. This catches gross bf16 mistakes (a
+# window off by one moves logits 8.5e-2); the subtle ones are the fp32 tests' job.
+BF16_TOL = 2e-2
+GREEDY_NEW_TOKENS = 8
+
+
+def reference(hf: Any, path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The oracle model, checked to have loaded exactly the checkpoint's tensors (none left random)."""
+    model = hf.model(path, dtype)
+    info = model.moetune_loading_info
+    assert not info["missing_keys"], f"transformers found no tensor for {sorted(info['missing_keys'])[:4]}"
+    assert not info["unexpected_keys"], f"transformers ignores {sorted(info['unexpected_keys'])[:4]}"
+    assert not info["mismatched_keys"], f"shapes differ: {sorted(info['mismatched_keys'])[:4]}"
+    return model
+
+
+def assert_matches(hf: Any, driver: Any, model: Any, tol: float) -> None:
+    err, scale = hf.max_error(driver, model)
+    assert err <= tol * max(1.0, scale), f"max |engine - transformers| = {err:.3g} at logit scale {scale:.3g}"
+
+
+def mixed_batch(driver: Any, prompt_lens: tuple[int, int, int] = (1, 5, 13), join_len: int = 7) -> None:
+    """Continuous batching in miniature: three prompts of different lengths prefilled in ONE step, then
+    decode steps of all of them together, a fourth sequence joining (its prompt in the same step as
+    the others' decode tokens), one leaving and a new one taking its slot (stale cache behind it).
+
+    Slots are assigned out of order so decode steps see both contiguous slot runs (a cache view)
+    and scattered ones (a gather).
+    """
+    a, b, c = (driver.random_prompt(n, seed=10 + i) for i, n in enumerate(prompt_lens))
+    driver.admit("a", 2)
+    driver.admit("b", 0)
+    driver.admit("c", 1)
+    driver.step([("a", a), ("b", b), ("c", c)])
+    driver.decode(["b", "c", "a"])  # slots 0, 1, 2: contiguous
+    driver.decode(["a", "b", "c"])  # slots 2, 0, 1: gathered
+    driver.admit("d", 3)
+    d = driver.random_prompt(join_len, seed=13)
+    driver.step([("a", [driver.next_token("a")]), ("d", d), ("b", [driver.next_token("b")]),
+                 ("c", [driver.next_token("c")])])
+    driver.decode(["a", "b", "c", "d"])
+    driver.release("b")
+    driver.admit("e", 0)  # b's slot, b's keys still in the cache
+    e = driver.random_prompt(3, seed=14)
+    driver.step([("c", [driver.next_token("c")]), ("e", e), ("a", [driver.next_token("a")]),
+                 ("d", [driver.next_token("d")])])
+    driver.decode(["e", "d", "c", "a"])
+    driver.decode(["a", "c", "d", "e"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_matches_transformers(arch, make_ckpt, hf, open_engine):
+    path = make_ckpt(arch)
+    model = reference(hf, path)
+    driver = open_engine(path)
+    mixed_batch(driver)
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+CHUNKED = [pytest.param(arch, {}, id=arch) for arch in ARCHS] + [
+    pytest.param("mixtral", {"sliding_window": 4}, id="mixtral-window4"),
+    pytest.param("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}, id="qwen3_moe-window6"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), CHUNKED)
+def test_chunked_prefill_matches_one_shot(arch, overrides, make_ckpt, hf, open_engine):
+    """A 37-token prompt prefilled in chunks of 8 (8+8+8+8+5, logits only after the last) and a
+    17-token one (8+8+1: a one-token last chunk) beside a third sequence decoding in the same steps,
+    then all decode: equal to transformers' one pass over each sequence. The cache starts at 16
+    positions so it grows in the middle of the prompts."""
+    path = make_ckpt(arch, **overrides)
+    model = reference(hf, path)
+    driver = open_engine(path, initial_len_tokens=16)
+    prompts = {"long": driver.random_prompt(37, seed=1), "tail": driver.random_prompt(17, seed=2)}
+    chunks = {seq: [p[i: i + 8] for i in range(0, len(p), 8)] for seq, p in prompts.items()}
+    driver.admit("other", 0)
+    driver.admit("long", 1)
+    driver.admit("tail", 2)
+    driver.step([("other", driver.random_prompt(3, seed=3))])
+    for i in range(len(chunks["long"])):
+        step = [("other", [driver.next_token("other")])]
+        for seq, parts in chunks.items():
+            if i < len(parts):
+                step.append((seq, parts[i], i == len(parts) - 1))
+        driver.step(step)
+    assert list(driver.logits["long"]) == [36] and list(driver.logits["tail"]) == [16]
+    for _ in range(3):
+        driver.decode(["long", "other", "tail"])
+    assert driver.cache.capacity >= 40
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+def odd_sizes(arch: str) -> dict[str, Any]:
+    """Nothing a power of two: 3 query heads over 1 KV head, expert width 37, 5 experts top-3."""
+    sizes: dict[str, Any] = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1,
+                             "head_dim": 16, "experts": 5, "top_k": 3, "width": 37}
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        sizes["intermediate_size"] = 53  # dense MLP width (unused unless a layer is dense)
+    if arch == "qwen2_moe":
+        sizes["shared_expert_intermediate_size"] = 29
+    return sizes
+
+
+AWKWARD = [
+    *(pytest.param(arch, {"top_k": 1}, id=f"{arch}-top1") for arch in ARCHS),
+    pytest.param("qwen3_moe", {"experts": 64, "top_k": 8, "width": 16, "hidden_size": 32, "head_dim": 8},
+                 id="qwen3_moe-64x8"),
+    pytest.param("mixtral", {"experts": 64, "top_k": 8, "width": 16, "hidden_size": 32, "head_dim": 8},
+                 id="mixtral-64x8"),
+    *(pytest.param(arch, odd_sizes(arch), id=f"{arch}-odd") for arch in ARCHS),
+    pytest.param("olmoe", {"num_key_value_heads": 4}, id="olmoe-mha"),
+    pytest.param("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1],
+                               "norm_topk_prob": True}, id="qwen2_moe-dense-layers-normtopk"),
+    pytest.param("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1],
+                               "norm_topk_prob": False}, id="qwen2_moe-dense-layers"),
+    pytest.param("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0], "norm_topk_prob": False},
+                 id="qwen3_moe-dense-layer-no-normtopk"),
+    pytest.param("olmoe", {"clip_qkv": 0.5}, id="olmoe-clip-qkv"),
+    pytest.param("olmoe", {"norm_topk_prob": True}, id="olmoe-normtopk"),
+    pytest.param("mixtral", {"sliding_window": 4}, id="mixtral-window4"),
+    pytest.param("qwen3_moe", {"use_sliding_window": True, "sliding_window": 4}, id="qwen3_moe-window4"),
+    pytest.param("qwen3_moe", {"tie_word_embeddings": True}, id="qwen3_moe-tied"),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), AWKWARD)
+def test_awkward_shapes_match_transformers(arch, overrides, make_ckpt, hf, open_engine):
+    path = make_ckpt(arch, **overrides)
+    model = reference(hf, path)
+    driver = open_engine(path)
+    mixed_batch(driver)
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_token_prompts(arch, make_ckpt, hf, open_engine):
+    """Only one-token prompts: every prefill segment is a single token at position 0."""
+    path = make_ckpt(arch)
+    model = reference(hf, path)
+    driver = open_engine(path)
+    for i, seq in enumerate("xyz"):
+        driver.admit(seq, i)
+    driver.step([(seq, driver.random_prompt(1, seed=20 + i)) for i, seq in enumerate("xyz")])
+    driver.decode(["x", "y", "z"])
+    driver.decode(["z", "x", "y"])
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+def test_qwen2_moe_sliding_window_matches_or_is_refused(make_ckpt, hf, open_engine):
+    """transformers slides the window on Qwen2-MoE only in the layers its config marks
+    ``sliding_attention`` (layer_types / max_window_layers); the engine must honour that or refuse."""
+    path = make_ckpt("qwen2_moe", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = reference(hf, path)
+    try:
+        driver = open_engine(path)
+    except CheckpointError as e:
+        assert "sliding" in str(e) and "\n" not in str(e)
+        return
+    mixed_batch(driver)
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_attention_bias_includes_o_proj(arch, make_ckpt, hf, open_engine, tmp_path):
+    """With ``attention_bias`` true, transformers' Qwen3-MoE and OLMoE have a bias on o_proj too (not
+    only q/k/v). A checkpoint carrying non-zero o_proj biases must give transformers' logits."""
+    src = make_ckpt(arch, attention_bias=True)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in tensors if n.endswith("self_attn.o_proj.weight")]:
+        tensors[name.replace(".weight", ".bias")] = torch.randn(tensors[name].shape[0], generator=g) * 0.5
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = reference(hf, path)
+    driver = open_engine(path)
+    mixed_batch(driver)
+    assert_matches(hf, driver, model, FP32_TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_generate(arch, make_ckpt, hf, open_engine):
+    """Three prompts decoded greedily together by the engine give transformers' generate() tokens,
+    each prompt run alone there (no padding)."""
+    path = make_ckpt(arch)
+    model = reference(hf, path)
+    driver = open_engine(path)
+    prompts = {seq: driver.random_prompt(n, seed=30 + n) for seq, n in (("p", 1), ("q", 6), ("r", 11))}
+    for slot, seq in enumerate(prompts):
+        driver.admit(seq, slot)
+    driver.step(list(prompts.items()))
+    for _ in range(GREEDY_NEW_TOKENS - 1):
+        driver.decode(list(prompts))
+    for seq, prompt in prompts.items():
+        engine_tokens = driver.generated(seq, len(prompt)) + [driver.next_token(seq)]
+        assert engine_tokens == hf.greedy(model, prompt, GREEDY_NEW_TOKENS), seq
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits_match_transformers(arch, make_ckpt, hf, open_engine):
+    """A bf16 checkpoint computed in bf16: the engine's logits are as close to transformers' bf16 run
+    and to transformers' fp32 run of the same weights as bf16 rounding allows."""
+    path = make_ckpt(arch, dtype="bfloat16")
+    driver = open_engine(path, dtype=torch.bfloat16)
+    mixed_batch(driver)
+    assert_matches(hf, driver, reference(hf, path, torch.bfloat16), BF16_TOL)
+    assert_matches(hf, driver, reference(hf, path, torch.float32), BF16_TOL)
+
+
+def test_runtime_generate_matches_transformers(make_ckpt, hf):
+    """engine.runtime.Engine with continuous batching (2 sequences at a time, so the third joins when
+    one finishes) and 4-token prefill chunks gives transformers' greedy tokens for every prompt."""
+    runtime = pytest.importorskip("engine.runtime")
+    from engine.config import EngineConfig
+
+    path = make_ckpt("qwen3_moe")
+    model = reference(hf, path)
+    config = EngineConfig().replace(device="cpu", compute_dtype="float32", max_batch_seqs=2,
+                                    prefill_chunk_tokens=4, temperature=0.0)
+    engine = runtime.Engine(str(path), config)
+    outcomes = []
+    run_step = engine.step
+
+    def recorded_step():
+        outcomes.append(run_step())
+        return outcomes[-1]
+
+    engine.step = recorded_step
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 10, 7)]
+    got = engine.generate(prompts, max_new_tokens=GREEDY_NEW_TOKENS)
+    assert got == [hf.greedy(model, p, GREEDY_NEW_TOKENS) for p in prompts]
+    # The premise: at most 2 sequences per step, prompts split into chunks, a prompt joining decoders.
+    assert max(o.batch_seqs for o in outcomes) == 2
+    assert sum(1 for o in outcomes if o.prefill_tokens) > len(prompts)
+    assert any(o.prefill_tokens and o.decode_tokens for o in outcomes)
