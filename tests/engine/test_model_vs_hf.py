@@ -7,6 +7,8 @@ sequences into shared steps over its KV cache. Skipped when transformers is not 
 
 from __future__ import annotations
 
+import functools
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,18 +19,32 @@ from safetensors.torch import load_file, save_file
 
 from engine.model.arch import ARCHS, CheckpointError
 
-# fp32: logits of these random-weight models are O(1) (largest |logit| ~0.4-0.8). The engine sums in
-# other orders than transformers (fused qkv, experts batched per step, SDPA vs eager softmax), which
-# moves fp32 logits by ~2e-7 (measured). 1e-4 of the logit scale leaves ~500x headroom, and every
-# mistake tried moved them by more: rms eps doubled 3e-4, rope theta +10% 6e-4, top-k renormalisation
-# flipped 1.6e-2, sliding window off by one 8.5e-2.
+# The maker's default init (std 0.02, unit-variance embeddings) lets the embedding dominate the
+# residual stream, so mistakes inside the layers barely move the logits (rope theta +10%: 2e-5).
+# Comparisons use weights of std 0.1, where every layer counts (the same mistake: 2e-3).
+ORACLE_INIT_STD = 0.1
+# fp32: largest |logit| is ~3-4 on these models. The engine sums in other orders than transformers
+# (fused qkv, experts batched per step, SDPA vs eager softmax): logits move by ~1e-6, at most 4.2e-7
+# of the scale over every test here (measured). A bound of 1e-4 of the scale leaves ~250x headroom,
+# and every mistake tried moves them by more: rope theta +10% 5e-4, sliding window off by one 0.1,
+# top-k renormalisation flipped 0.07, shared-expert gate shifted 0.1 (all relative to the scale).
 FP32_TOL = 1e-4
-# bf16: the engine's and transformers' bf16 logits part by one bf16 ulp of an O(1) logit (2^-8 ~ 4e-3,
-# measured on 3 seeds x 4 families), and transformers' own bf16 run is up to 1.1e-2 away from its
-# fp32 run of the same weights. 2e-2 of the scale bounds both. This catches gross bf16 mistakes (a
-# window off by one moves logits 8.5e-2); the subtle ones are the fp32 tests' job.
-BF16_TOL = 2e-2
+# bf16: most logits rows of the engine and transformers differ by one bf16 ulp of the largest logit
+# (2^-6 at 2-4: ~0.4% of the scale); rarely a router near-tie rounds the other way and one token
+# takes another expert (measured up to 3.7% of the scale on one row, and transformers' own bf16 run
+# is up to 2.4% away from its fp32 run). So: the mean over rows within 1.5e-2 of the scale (measured
+# up to 0.5%; top-k renormalisation flipped gives 3.4%), and every row within 1e-1 (gross errors).
+# bf16 noise hides subtle precision slips (an RMSNorm computed in bf16: 0.6% mean): the fp32 tests
+# and a review of where the engine casts cover those.
+BF16_MEAN_TOL = 1.5e-2
+BF16_MAX_TOL = 1e-1
 GREEDY_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    """``make_ckpt`` with weights of std ORACLE_INIT_STD: the checkpoints every comparison here uses."""
+    return functools.partial(make_ckpt, initializer_range=ORACLE_INIT_STD)
 
 
 def reference(hf: Any, path: Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -41,9 +57,15 @@ def reference(hf: Any, path: Path, dtype: torch.dtype = torch.float32) -> Any:
     return model
 
 
-def assert_matches(hf: Any, driver: Any, model: Any, tol: float) -> None:
-    err, scale = hf.max_error(driver, model)
-    assert err <= tol * max(1.0, scale), f"max |engine - transformers| = {err:.3g} at logit scale {scale:.3g}"
+def assert_matches(hf: Any, driver: Any, model: Any, tol: float, mean_tol: float | None = None) -> None:
+    """Every logits row within ``tol`` of the logit scale; with ``mean_tol``, their mean error too."""
+    errors, scale = hf.row_errors(driver, model)
+    bound = max(1.0, scale)
+    worst = max(errors)
+    assert worst <= tol * bound, f"max |engine - transformers| = {worst:.3g} at logit scale {scale:.3g}"
+    if mean_tol is not None:
+        mean = sum(errors) / len(errors)
+        assert mean <= mean_tol * bound, f"mean row error {mean:.3g} at logit scale {scale:.3g}"
 
 
 def mixed_batch(driver: Any, prompt_lens: tuple[int, int, int] = (1, 5, 13), join_len: int = 7) -> None:
@@ -76,8 +98,8 @@ def mixed_batch(driver: Any, prompt_lens: tuple[int, int, int] = (1, 5, 13), joi
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mixed_batch_matches_transformers(arch, make_ckpt, hf, open_engine):
-    path = make_ckpt(arch)
+def test_mixed_batch_matches_transformers(arch, ckpt, hf, open_engine):
+    path = ckpt(arch)
     model = reference(hf, path)
     driver = open_engine(path)
     mixed_batch(driver)
@@ -91,12 +113,12 @@ CHUNKED = [pytest.param(arch, {}, id=arch) for arch in ARCHS] + [
 
 
 @pytest.mark.parametrize(("arch", "overrides"), CHUNKED)
-def test_chunked_prefill_matches_one_shot(arch, overrides, make_ckpt, hf, open_engine):
+def test_chunked_prefill_matches_one_shot(arch, overrides, ckpt, hf, open_engine):
     """A 37-token prompt prefilled in chunks of 8 (8+8+8+8+5, logits only after the last) and a
     17-token one (8+8+1: a one-token last chunk) beside a third sequence decoding in the same steps,
     then all decode: equal to transformers' one pass over each sequence. The cache starts at 16
     positions so it grows in the middle of the prompts."""
-    path = make_ckpt(arch, **overrides)
+    path = ckpt(arch, **overrides)
     model = reference(hf, path)
     driver = open_engine(path, initial_len_tokens=16)
     prompts = {"long": driver.random_prompt(37, seed=1), "tail": driver.random_prompt(17, seed=2)}
@@ -152,8 +174,8 @@ AWKWARD = [
 
 
 @pytest.mark.parametrize(("arch", "overrides"), AWKWARD)
-def test_awkward_shapes_match_transformers(arch, overrides, make_ckpt, hf, open_engine):
-    path = make_ckpt(arch, **overrides)
+def test_awkward_shapes_match_transformers(arch, overrides, ckpt, hf, open_engine):
+    path = ckpt(arch, **overrides)
     model = reference(hf, path)
     driver = open_engine(path)
     mixed_batch(driver)
@@ -161,9 +183,9 @@ def test_awkward_shapes_match_transformers(arch, overrides, make_ckpt, hf, open_
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_single_token_prompts(arch, make_ckpt, hf, open_engine):
+def test_single_token_prompts(arch, ckpt, hf, open_engine):
     """Only one-token prompts: every prefill segment is a single token at position 0."""
-    path = make_ckpt(arch)
+    path = ckpt(arch)
     model = reference(hf, path)
     driver = open_engine(path)
     for i, seq in enumerate("xyz"):
@@ -174,10 +196,14 @@ def test_single_token_prompts(arch, make_ckpt, hf, open_engine):
     assert_matches(hf, driver, model, FP32_TOL)
 
 
-def test_qwen2_moe_sliding_window_matches_or_is_refused(make_ckpt, hf, open_engine):
+def test_qwen2_moe_sliding_window_matches_or_is_refused(ckpt, hf, open_engine, tmp_path):
     """transformers slides the window on Qwen2-MoE only in the layers its config marks
     ``sliding_attention`` (layer_types / max_window_layers); the engine must honour that or refuse."""
-    path = make_ckpt("qwen2_moe", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpt("qwen2_moe"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    (path / "config.json").write_text(json.dumps(cfg))
     model = reference(hf, path)
     try:
         driver = open_engine(path)
@@ -189,10 +215,10 @@ def test_qwen2_moe_sliding_window_matches_or_is_refused(make_ckpt, hf, open_engi
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
-def test_attention_bias_includes_o_proj(arch, make_ckpt, hf, open_engine, tmp_path):
+def test_attention_bias_includes_o_proj(arch, ckpt, hf, open_engine, tmp_path):
     """With ``attention_bias`` true, transformers' Qwen3-MoE and OLMoE have a bias on o_proj too (not
     only q/k/v). A checkpoint carrying non-zero o_proj biases must give transformers' logits."""
-    src = make_ckpt(arch, attention_bias=True)
+    src = ckpt(arch, attention_bias=True)
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
     tensors = load_file(path / "model.safetensors")
@@ -207,10 +233,10 @@ def test_attention_bias_includes_o_proj(arch, make_ckpt, hf, open_engine, tmp_pa
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tokens_match_generate(arch, make_ckpt, hf, open_engine):
+def test_greedy_tokens_match_generate(arch, ckpt, hf, open_engine):
     """Three prompts decoded greedily together by the engine give transformers' generate() tokens,
     each prompt run alone there (no padding)."""
-    path = make_ckpt(arch)
+    path = ckpt(arch)
     model = reference(hf, path)
     driver = open_engine(path)
     prompts = {seq: driver.random_prompt(n, seed=30 + n) for seq, n in (("p", 1), ("q", 6), ("r", 11))}
@@ -225,23 +251,24 @@ def test_greedy_tokens_match_generate(arch, make_ckpt, hf, open_engine):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_logits_match_transformers(arch, make_ckpt, hf, open_engine):
+def test_bf16_logits_match_transformers(arch, ckpt, hf, open_engine):
     """A bf16 checkpoint computed in bf16: the engine's logits are as close to transformers' bf16 run
     and to transformers' fp32 run of the same weights as bf16 rounding allows."""
-    path = make_ckpt(arch, dtype="bfloat16")
+    path = ckpt(arch, dtype="bfloat16")
     driver = open_engine(path, dtype=torch.bfloat16)
     mixed_batch(driver)
-    assert_matches(hf, driver, reference(hf, path, torch.bfloat16), BF16_TOL)
-    assert_matches(hf, driver, reference(hf, path, torch.float32), BF16_TOL)
+    assert_matches(hf, driver, reference(hf, path, torch.bfloat16), BF16_MAX_TOL, BF16_MEAN_TOL)
+    assert_matches(hf, driver, reference(hf, path, torch.float32), BF16_MAX_TOL, BF16_MEAN_TOL)
 
 
-def test_runtime_generate_matches_transformers(make_ckpt, hf):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runtime_generate_matches_transformers(arch, ckpt, hf):
     """engine.runtime.Engine with continuous batching (2 sequences at a time, so the third joins when
     one finishes) and 4-token prefill chunks gives transformers' greedy tokens for every prompt."""
     runtime = pytest.importorskip("engine.runtime")
     from engine.config import EngineConfig
 
-    path = make_ckpt("qwen3_moe")
+    path = ckpt(arch)
     model = reference(hf, path)
     config = EngineConfig().replace(device="cpu", compute_dtype="float32", max_batch_seqs=2,
                                     prefill_chunk_tokens=4, temperature=0.0)
@@ -255,7 +282,7 @@ def test_runtime_generate_matches_transformers(make_ckpt, hf):
 
     engine.step = recorded_step
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 10, 7)]
+    prompts = [torch.randint(3, engine.spec.vocab_size, (n,), generator=g).tolist() for n in (3, 10, 7)]
     got = engine.generate(prompts, max_new_tokens=GREEDY_NEW_TOKENS)
     assert got == [hf.greedy(model, p, GREEDY_NEW_TOKENS) for p in prompts]
     # The premise: at most 2 sequences per step, prompts split into chunks, a prompt joining decoders.

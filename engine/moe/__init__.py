@@ -1,0 +1,1 @@
+"""Hybrid MoE layer: expert placement, precision and execution."""

@@ -1,0 +1,143 @@
+"""The search space: generated from the knob registry, conditional knobs, inert knobs, a stable hash."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import optuna
+import pytest
+
+from engine.config import ConfigError, EngineConfig, KnobInfo, Search, knobs
+from tuner.baselines import BASELINES, Baseline, BaselineContext, baseline_points
+from tuner.space import Condition, build_space, inert_knobs, parse_fixed
+
+HW = {"cpu_model": "test", "cpu_cores": 2, "gpu": None}
+SEARCHED = {"runtime.compute_dtype", "scheduler.max_batch_seqs", "scheduler.max_batch_tokens",
+            "scheduler.prefill_chunk_tokens"}
+
+
+def _registry_with(key: str, **search) -> list[KnobInfo]:
+    return [dataclasses.replace(k, search=dataclasses.replace(k.search, **search)) if k.key == key else k
+            for k in knobs()]
+
+
+def _fake_registry() -> list[KnobInfo]:
+    """Today's registry plus a batching mode and a micro-batch size that only counts for 'micro'."""
+    extra = [
+        KnobInfo("scheduler", "batching", str, "coalesced", "Batching mode.", None, None,
+                 ("coalesced", "micro"), Search(choices=("coalesced", "micro")), True),
+        KnobInfo("scheduler", "micro_batch_seqs", int, 4, "Micro-batch size.", 1, 64, None,
+                 Search(low=1, high=16, log=True), True),
+    ]
+    return knobs() + extra
+
+
+MICRO = Condition("scheduler.micro_batch_seqs", "scheduler.batching", ("micro",))
+
+
+def test_space_is_every_knob_with_a_search_range():
+    space = build_space(HW)
+    assert set(space.keys) == SEARCHED == {k.key for k in knobs() if k.search is not None}
+    assert space.param("scheduler.max_batch_seqs").kind == "int"
+    assert space.param("scheduler.max_batch_seqs").log
+    assert space.param("runtime.compute_dtype").choices == ("auto", "checkpoint", "float32")
+    assert inert_knobs(HW) == {}  # nothing is inert on a CPU-only machine today
+
+
+def test_space_hash_is_short_stable_and_changes_with_the_space():
+    h = build_space(HW).space_hash()
+    assert len(h) == 8 and int(h, 16) >= 0
+    assert build_space(HW).space_hash() == h
+    # Stable across processes (no salted hashing anywhere).
+    out = subprocess.run([sys.executable, "-c", "from tuner.space import build_space; "
+                          "print(build_space({}).space_hash())"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == h
+    assert build_space(HW, registry=_registry_with("scheduler.max_batch_seqs", high=128)).space_hash() != h
+    assert build_space(HW, registry=_registry_with("scheduler.max_batch_seqs", log=False)).space_hash() != h
+    assert build_space(HW, registry=_registry_with("runtime.compute_dtype",
+                                                   choices=("auto", "float32"))).space_hash() != h
+    assert build_space(HW, fixed={"scheduler.max_batch_seqs": 8}).space_hash() != h
+    assert build_space(HW, inert={"scheduler.max_batch_tokens": "test"}).space_hash() != h
+
+
+def test_pinned_and_inert_knobs_leave_the_space():
+    space = build_space(HW, fixed={"scheduler.max_batch_seqs": 8},
+                        inert={"runtime.compute_dtype": "no second precision here"})
+    assert set(space.keys) == SEARCHED - {"scheduler.max_batch_seqs", "runtime.compute_dtype"}
+    assert "pinned" in space.omitted["scheduler.max_batch_seqs"]
+    assert "inert" in space.omitted["runtime.compute_dtype"]
+    config = space.to_config({"scheduler.max_batch_tokens": 256, "scheduler.prefill_chunk_tokens": 64},
+                             EngineConfig())
+    assert config.scheduler.max_batch_seqs == 8
+    # An inert rule is a function of the hardware.
+    rules = [lambda hw: {} if hw.get("gpu") else {"runtime.compute_dtype": "no GPU"}]
+    assert inert_knobs(HW, rules) == {"runtime.compute_dtype": "no GPU"}
+    assert inert_knobs({**HW, "gpu": {"name": "x"}}, rules) == {}
+
+
+def test_conditional_knob_is_sampled_only_when_its_parent_is_set():
+    space = build_space(HW, registry=_fake_registry(), conditions=(MICRO,))
+    keys = space.keys
+    assert keys.index("scheduler.batching") < keys.index("scheduler.micro_batch_seqs")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = {"micro": 0, "coalesced": 0}
+    for _ in range(30):
+        trial = study.ask()
+        values = space.sample(trial)
+        seen[values["scheduler.batching"]] += 1
+        assert ("scheduler.micro_batch_seqs" in values) == (values["scheduler.batching"] == "micro")
+        assert space.problems(values) == []
+        study.tell(trial, 0.0)
+    assert seen["micro"] and seen["coalesced"]
+    point = {**build_space(HW).defaults(EngineConfig()), "scheduler.batching": "coalesced"}
+    assert space.problems(point) == []
+    assert "inactive" in space.problems({**point, "scheduler.micro_batch_seqs": 4})[0]
+    assert "missing" in space.problems({**point, "scheduler.batching": "micro"})[0]
+    # Pinned parent: the child is searched unconditionally, or not at all.
+    on = build_space(HW, registry=_fake_registry(), conditions=(MICRO,), fixed={"scheduler.batching": "micro"})
+    assert on.param("scheduler.micro_batch_seqs").condition is None
+    off = build_space(HW, registry=_fake_registry(), conditions=(MICRO,),
+                      fixed={"scheduler.batching": "coalesced"})
+    assert "scheduler.micro_batch_seqs" not in off.keys
+    assert "inactive" in off.omitted["scheduler.micro_batch_seqs"]
+    assert build_space(HW, registry=_fake_registry(), conditions=(MICRO,)).space_hash() != build_space(
+        HW, registry=_fake_registry()).space_hash()
+
+
+def test_fixed_knobs_are_checked_one_line():
+    assert parse_fixed(["max_batch_seqs=8", "runtime.compute_dtype=float32"]) == {
+        "scheduler.max_batch_seqs": 8, "runtime.compute_dtype": "float32"}
+    for bad, word in [("nope=1", "nope"), ("max_batch_seqs", "KNOB=VALUE"), ("max_batch_seqs=x", "int"),
+                      ("compute_dtype=fp8", "compute_dtype"), ("max_batch_seqs=0", "minimum"),
+                      ("max_batch_seqs=2000", "max_batch_tokens")]:
+        with pytest.raises(ConfigError) as e:
+            parse_fixed([bad])
+        assert word in str(e.value) and "\n" not in str(e.value)
+
+
+def test_baselines_are_points_of_the_space_or_left_out():
+    space = build_space(HW)
+    points = dict((b.name, v) for b, v in baseline_points(space, BaselineContext(hardware=HW)))
+    assert {"defaults", "hf-static-like", "llama.cpp-like"} <= set(points)
+    assert points["defaults"] == space.defaults(EngineConfig())
+    assert points["llama.cpp-like"]["scheduler.max_batch_seqs"] == 1
+    for values in points.values():
+        assert space.problems(values) == []
+        space.to_config(values, EngineConfig())
+    # Pinning a knob a baseline sets drops that baseline (it is no longer a point of the space).
+    pinned = build_space(HW, fixed={"scheduler.max_batch_seqs": 8})
+    names = [b.name for b, _ in baseline_points(pinned, BaselineContext(hardware=HW))]
+    assert names == ["defaults"]
+    # Out of range, or rejected by the engine's cross-field checks: left out.
+    odd = [Baseline("huge", "", {"scheduler.max_batch_seqs": 10_000}),
+           Baseline("bad-mix", "", {}),
+           Baseline("per-model", "", lambda ctx: {"scheduler.max_batch_seqs": ctx.hardware["cpu_cores"]})]
+    wide = build_space(HW, registry=_registry_with("scheduler.max_batch_tokens", low=8))
+    odd[1] = Baseline("bad-mix", "", {"scheduler.max_batch_seqs": 32, "scheduler.max_batch_tokens": 16})
+    assert wide.problems({**wide.defaults(EngineConfig()), **odd[1].values(BaselineContext())}) == []
+    assert [b.name for b, _ in baseline_points(wide, BaselineContext(hardware=HW), odd)] == ["per-model"]
+    kept = baseline_points(space, BaselineContext(hardware=HW), odd)
+    assert [(b.name, v["scheduler.max_batch_seqs"]) for b, v in kept] == [("per-model", 2)]
+    assert len({b.name for b in BASELINES}) == len(BASELINES)

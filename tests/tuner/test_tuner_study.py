@@ -1,0 +1,93 @@
+"""A short study end to end: every table filled, show/list/export, the export loaded by the engine."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+from optuna.trial import TrialState
+from sqlalchemy import select
+
+from db.models import ExpertStatRow, Model, RequestRow, StepRow, Study, TelemetryRow, Trial, Workload
+from db.session import make_engine, session_scope
+from engine.cli import main as engine_main
+from engine.config import EngineConfig
+from tuner.cli import main
+from tuner.objective import ATTR_BASELINE
+
+
+def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys, kit):
+    FAST, MODEL, WORKLOAD, count, last_json = kit.FAST, kit.MODEL, kit.WORKLOAD, kit.count, kit.last_json
+    rc = main(["run", *FAST, "--trials", "4", "--db", sqlite_url, "--study", "short", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = last_json(captured.out)
+    name = report["study"]
+    assert name.startswith("short-") and len(name) == len("short-") + 8
+    assert report["trials"]["total"] == 4
+    assert {b["baseline"] for b in report["baselines"]} == {"defaults", "hf-static-like", "llama.cpp-like"}
+    assert report["timing"]["engine_load_s"] > 0 and report["timing"]["reconfigure_median_s"] is not None
+    assert "tuner dashboard" in captured.err and "tuner export" in captured.err  # --json: prose on stderr
+
+    db = make_engine(sqlite_url)
+    for table in (Study, Model, Workload, Trial, RequestRow, StepRow, ExpertStatRow, TelemetryRow):
+        assert count(db, table) > 0, table.__tablename__
+    with session_scope(db) as s:
+        study = s.scalars(select(Study)).one()
+        assert (study.name, study.optuna_study_name, study.backend) == (name, name, "live")
+        assert study.search_space_hash == name[-8:]
+        assert study.slo == {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0}
+        assert study.objectives == ["goodput_rps"]
+        assert study.hardware["fingerprint"] and study.software["optuna"] == optuna.__version__
+        assert study.model.identity["model"] == MODEL and study.workload.source == WORKLOAD
+        trials = s.scalars(select(Trial).order_by(Trial.number)).all()
+        assert [t.number for t in trials] == [0, 1, 2, 3]
+        assert [t.baseline_name for t in trials[:3]] == ["defaults", "hf-static-like", "llama.cpp-like"]
+        assert all(t.is_baseline for t in trials[:3]) and not trials[3].is_baseline
+        assert all(t.state != "running" for t in trials)
+        done = [t for t in trials if t.state == "complete"]
+        assert len(done) >= 3  # baselines always run to the end
+        for t in done:
+            assert t.goodput_rps is not None and t.slo_attainment is not None
+            assert t.summary["reconfigure_s"] >= 0 and "constraints" in t.summary
+            assert t.meta["tuner"]["engine_load_s"] > 0
+            assert count(db, RequestRow, trial_id=t.id) == 6
+            met = s.scalars(select(RequestRow.met_slo).where(RequestRow.trial_id == t.id)).all()
+            assert None not in met and sum(met) == round(t.slo_attainment * 6)
+
+    # Optuna's own tables, in the same database.
+    study = optuna.load_study(study_name=name, storage=sqlite_url)
+    assert len(study.trials) == 4
+    assert [t.user_attrs.get(ATTR_BASELINE) for t in study.trials[:3]] == [
+        "defaults", "hf-static-like", "llama.cpp-like"]
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+    assert main(["list", "--db", sqlite_url, "--json"]) == 0
+    listed = last_json(capsys.readouterr().out)
+    assert [r["study"] for r in listed] == [name]
+    assert main(["show", "--study", "short", "--db", sqlite_url, "--json"]) == 0
+    shown = capsys.readouterr().out
+    assert "gain over baselines" in shown and last_json(shown)["study"] == name
+
+    best = tmp_path / "best.json"
+    assert main(["export", "--study", "short", "--db", sqlite_url, "--out", str(best)]) == 0
+    assert "engine run --config" in capsys.readouterr().out
+    data = json.loads(best.read_text())
+    assert set(data) >= {"engine_config", "model", "workload", "hardware", "slo", "metrics", "study", "trial"}
+    assert data["study"] == name and data["model"]["fingerprint"] and data["hardware"]["fingerprint"]
+    with session_scope(db) as s:
+        trial = s.scalars(select(Trial).where(Trial.number == data["trial"])).one()
+        assert EngineConfig.from_file(best) == EngineConfig.from_dict(trial.config)
+        assert EngineConfig.from_file(best).config_hash() == trial.config_hash
+    assert engine_main(["run", "--config", str(best), "--model", MODEL, "--workload", WORKLOAD,
+                        "--max-requests", "2", "--mode", "offline", "--quiet"]) == 0
+    assert "tuned for another" not in capsys.readouterr().err
+
+    # The same command again resumes: nothing lost, baselines not enqueued twice, one more trial.
+    values = {t.number: t.values for t in study.trials}
+    assert main(["run", *FAST, "--trials", "5", "--db", sqlite_url, "--study", "short", "--quiet"]) == 0
+    study = optuna.load_study(study_name=name, storage=sqlite_url)
+    assert len(study.trials) == 5 and {t.number: t.values for t in study.trials[:4]} == values
+    assert sum(1 for t in study.trials if t.user_attrs.get(ATTR_BASELINE)) == 3
+    assert count(db, Trial) == 5
+    db.dispose()

@@ -1,0 +1,110 @@
+"""Known-good and peer-style configurations, enqueued as the first trials of every study.
+
+A baseline is a name, a one-line description and the knobs it sets (the rest come from the base
+config, usually the engine's defaults). Its knobs may depend on the model and the machine (a
+per-layer budget, say), so ``knobs`` may be a function of a :class:`BaselineContext`. A baseline
+is enqueued only when every knob it sets is a parameter of the study's search space and its value
+lies in range: a study that pins or drops a knob skips the baselines that need it.
+
+The hybrid engine will add: all experts on the host (llama.cpp ``--cpu-moe``), KTransformers'
+frequency placement with a uniform per-layer budget, and Fiddler's rule (compute a missing expert
+on the host unless fetching it is cheaper). Register them with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from tuner.space import SearchSpace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BaselineContext:
+    """What a baseline may look at: the model spec, the machine and the base config."""
+
+    spec: Any = None  # engine.model.arch.ModelSpec
+    hardware: Mapping[str, Any] = field(default_factory=dict)
+    base: EngineConfig = field(default_factory=EngineConfig)
+
+
+KnobValues = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A named configuration: ``knobs`` maps knob keys (``scheduler.max_batch_seqs``) to values."""
+
+    name: str
+    description: str
+    knobs: KnobValues | Callable[[BaselineContext], KnobValues]
+
+    def values(self, ctx: BaselineContext) -> dict[str, Any]:
+        """The knobs this baseline sets, for ``ctx``."""
+        return dict(self.knobs(ctx) if callable(self.knobs) else self.knobs)
+
+
+BASELINES: list[Baseline] = [
+    Baseline("defaults", "the engine's defaults (or the base config given with --config)", {}),
+    Baseline(
+        "hf-static-like",
+        "Hugging Face generate(): a few sequences at a time, whole prompts in one pass, checkpoint precision",
+        {
+            "scheduler.max_batch_seqs": 4,
+            "scheduler.prefill_chunk_tokens": 2048,
+            "scheduler.max_batch_tokens": 4096,
+            "runtime.compute_dtype": "checkpoint",
+        },
+    ),
+    Baseline(
+        "llama.cpp-like",
+        "llama.cpp server with one slot: one sequence, -b 2048 -ub 512, checkpoint precision",
+        {
+            "scheduler.max_batch_seqs": 1,
+            "scheduler.max_batch_tokens": 2048,
+            "scheduler.prefill_chunk_tokens": 512,
+            "runtime.compute_dtype": "checkpoint",
+        },
+    ),
+]
+
+
+def register(baseline: Baseline) -> None:
+    """Add a baseline (replacing one of the same name)."""
+    BASELINES[:] = [b for b in BASELINES if b.name != baseline.name] + [baseline]
+
+
+def baseline_points(space: SearchSpace, ctx: BaselineContext,
+                    baselines: list[Baseline] | None = None) -> list[tuple[Baseline, dict[str, Any]]]:
+    """The baselines that are points of ``space``, each with its full parameter values.
+
+    Parameters a baseline does not set take the base config's values. Baselines setting a knob
+    outside the space, or a value out of range, are left out (logged).
+    """
+    out = []
+    for b in BASELINES if baselines is None else baselines:
+        try:
+            wanted = b.values(ctx)
+        except (ValueError, KeyError, TypeError) as e:
+            log.info("baseline %s skipped: %s", b.name, e)
+            continue
+        values = {**space.defaults(ctx.base), **wanted}
+        # Parameters the baseline turns off (a conditional child of a changed parent) drop out.
+        values = {k: v for k, v in values.items()
+                  if k in wanted or k not in space.keys or space.active(space.param(k), values)}
+        problems = space.problems(values)
+        if not problems:
+            try:
+                space.to_config(values, ctx.base, source=f"baseline {b.name}")
+            except ValueError as e:  # ConfigError: a combination the engine rejects
+                problems = [str(e)]
+        if problems:
+            log.info("baseline %s skipped: %s", b.name, "; ".join(problems))
+            continue
+        out.append((b, values))
+    return out
