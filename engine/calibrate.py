@@ -102,3 +102,56 @@ def memory_bandwidth_gbps() -> float:
         return buf.numel() * 4 / best / 1e9
 
     return float(cached("mem_bw_gbps", measure))
+
+
+def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
+    """Calibrated costs of one expert on the host, on the fast tier and across the link between them.
+
+    Timed on this machine with expert-shaped weights at 1, 8 and 32 tokens (the fit separates a fixed
+    overhead, a per-weight-byte and a per-token cost); the link is a host-to-device copy of one expert
+    (pinned memory on CUDA; a host memory copy where both tiers are host memory). Cached per machine.
+    """
+    from engine.moe.policy import CostModel, fit_compute_cost
+
+    prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    h, i = spec.hidden_size, spec.expert_intermediate
+
+    def time_expert(dev: torch.device, tokens: int) -> tuple[int, int, float]:
+        w13 = torch.randn(2 * i, h, device=dev).to(dtype)
+        w2 = torch.randn(h, i, device=dev).to(dtype)
+        x = torch.randn(tokens, h, device=dev).to(dtype)
+
+        def run() -> None:
+            gu = F.linear(x, w13)
+            F.linear(F.silu(gu[:, :i]) * gu[:, i:], w2)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        run()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t)
+        return tokens, (w13.numel() + w2.numel()) * w13.element_size(), best
+
+    def measure() -> dict[str, Any]:
+        host = fit_compute_cost([time_expert(torch.device("cpu"), n) for n in (1, 8, 32)])
+        dev = host if device.type == "cpu" else fit_compute_cost([time_expert(device, n) for n in (1, 8, 32)])
+        nbytes = 3 * h * i * torch.finfo(dtype).bits // 8
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        if device.type == "cuda":
+            src = src.pin_memory()
+        src.to(device, copy=True)
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            src.to(device, copy=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t)
+        return {"default_precision": prec, "link": {"bandwidth_bytes_per_s": nbytes / best, "latency_s": 0.0},
+                "host": {prec: host.to_dict()}, "device": {prec: dev.to_dict()}}
+
+    data = cached(f"expert_costs:{device.type}:{prec}:{h}x{i}", measure)
+    return CostModel.from_measurements(data)

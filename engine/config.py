@@ -208,7 +208,7 @@ AREAS: dict[str, type] = {
     "runtime": RuntimeConfig,
     "scheduler": SchedulerConfig,
     "sampling": SamplingConfig,
-    "residency": ResidencyConfig,
+    "experts": ResidencyConfig,
     "execution": ExecutionConfig,
     "routing": RoutingConfig,
 }
@@ -320,7 +320,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    residency: ResidencyConfig = field(default_factory=ResidencyConfig)
+    experts: ResidencyConfig = field(default_factory=ResidencyConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
@@ -380,45 +380,45 @@ class EngineConfig:
             raise ConfigError(
                 f"{source}: scheduler.max_batch_seqs={s.max_batch_seqs} exceeds "
                 f"scheduler.max_batch_tokens={s.max_batch_tokens} (each decoding sequence needs a token)")
-        r, x = self.residency, self.execution
+        r, x = self.experts, self.execution
         if r.residency != "all" and r.resident_budget_gib == 0 and x.max_replicas > 0:
             raise ConfigError(
-                f"{source}: execution.max_replicas={x.max_replicas} with residency.resident_budget_gib=0: "
+                f"{source}: execution.max_replicas={x.max_replicas} with experts.resident_budget_gib=0: "
                 "replicas need fast-tier budget")
         if r.budget_split == "vector":
             if not r.budget_layer_weights.strip():
-                raise ConfigError(f"{source}: residency.budget_split='vector' needs residency.budget_layer_weights")
+                raise ConfigError(f"{source}: experts.budget_split='vector' needs experts.budget_layer_weights")
             try:
                 weights = [float(w) for w in r.budget_layer_weights.split(",")]
             except ValueError:
-                raise ConfigError(f"{source}: residency.budget_layer_weights={r.budget_layer_weights!r}: "
+                raise ConfigError(f"{source}: experts.budget_layer_weights={r.budget_layer_weights!r}: "
                                   "expected comma-separated numbers") from None
             if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise ConfigError(f"{source}: residency.budget_layer_weights={r.budget_layer_weights!r}: "
+                raise ConfigError(f"{source}: experts.budget_layer_weights={r.budget_layer_weights!r}: "
                                   "weights must be >= 0 with a positive sum")
         if r.lo_precision != "none" and r.hi_precision == r.lo_precision:
-            raise ConfigError(f"{source}: residency.lo_precision={r.lo_precision!r} equals hi_precision")
+            raise ConfigError(f"{source}: experts.lo_precision={r.lo_precision!r} equals hi_precision")
         if r.int4_group_size & (r.int4_group_size - 1):
-            raise ConfigError(f"{source}: residency.int4_group_size={r.int4_group_size}: must be a power of two")
+            raise ConfigError(f"{source}: experts.int4_group_size={r.int4_group_size}: must be a power of two")
 
     def validate_for(self, spec, device_mem_bytes: int | None, source: str = "config") -> None:
         """Checks that need the model and the machine; run before any model work."""
-        r = self.residency
+        r = self.experts
         if "int4" in (r.hi_precision, r.lo_precision):
             for name, dim in (("hidden_size", spec.hidden_size), ("expert width", spec.expert_intermediate)):
                 if dim % r.int4_group_size:
                     raise ConfigError(
-                        f"{source}: residency.int4_group_size={r.int4_group_size} does not divide the model's "
+                        f"{source}: experts.int4_group_size={r.int4_group_size} does not divide the model's "
                         f"{name} {dim}")
         if r.residency != "all" and device_mem_bytes is not None and r.resident_budget_gib * 2**30 > device_mem_bytes:
             raise ConfigError(
-                f"{source}: residency.resident_budget_gib={r.resident_budget_gib} exceeds the fast tier's "
+                f"{source}: experts.resident_budget_gib={r.resident_budget_gib} exceeds the fast tier's "
                 f"{device_mem_bytes / 2**30:.1f} GiB")
         if r.budget_split == "vector":
             n = len(r.budget_layer_weights.split(","))
             if n != len(spec.moe_layers):
                 raise ConfigError(
-                    f"{source}: residency.budget_layer_weights has {n} entries; the model has "
+                    f"{source}: experts.budget_layer_weights has {n} entries; the model has "
                     f"{len(spec.moe_layers)} MoE layers")
         k = self.routing.top_k_override
         if k > spec.n_experts:

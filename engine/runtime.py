@@ -83,6 +83,23 @@ def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int
     return cpu_compute_dtype(stored, hidden, inter)
 
 
+def is_plain(config: EngineConfig) -> bool:
+    """True when no hybrid knob departs from "every expert resident, as loaded, coalesced"."""
+    r, x, ro = config.experts, config.execution, config.routing
+    return (r.residency == "all" and r.hi_precision == "auto" and r.lo_precision == "none" and x.max_replicas == 0
+            and x.expert_batching == "coalesced" and x.host_expert_threads == 0 and ro.top_k_override == 0
+            and ro.min_gate_weight == 0.0)
+
+
+def fast_tier_bytes(device: torch.device) -> int:
+    """Memory of the fast tier: the GPU's, or host memory on a machine without one."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
 class Engine:
     """One loaded model plus the runtime state of the sequences it serves."""
 
@@ -96,19 +113,78 @@ class Engine:
         self.ckpt = Checkpoint(self.model_path)
         self.spec = self.ckpt.spec
         self.device = pick_device(rt.device)
+        # Every check that needs the model or the machine runs before any weight is read.
+        self.config.validate_for(self.spec, fast_tier_bytes(self.device))
         self.dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, self.device, self.spec.hidden_size,
                                 self.spec.expert_intermediate)
+        self.expert_device = self._expert_device(self.config)
         t = time.perf_counter()
-        self.model = MoEDecoder(self.ckpt, self.dtype, self.device)
+        self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device)
         self.load_s = time.perf_counter() - t
         self.fingerprint = self.ckpt.fingerprint()
         log.info("loaded %s (%s, %s on %s) in %.1fs", self.model_path, self.spec.arch, self.dtype, self.device,
                  self.load_s)
+        self.hotness = None
+        self._setup_experts()
         self._reset_runtime()
+
+    def _expert_device(self, config: EngineConfig) -> torch.device:
+        # With a GPU and partial residency, all experts load to host memory and the plan copies some up.
+        if self.device.type == "cuda" and config.experts.residency != "all":
+            return torch.device("cpu")
+        return self.device
+
+    def _setup_experts(self) -> None:
+        """Build the hybrid expert executor for non-plain configs (re-planned on every reconfigure)."""
+        old = self.model.hybrid
+        if old is not None:
+            old.close()
+        self.model.hybrid = None
+        self.model.top_k_override = self.config.routing.top_k_override
+        self.model.min_gate_weight = self.config.routing.min_gate_weight
+        if is_plain(self.config):
+            return
+        from engine.calibrate import expert_cost_model
+        from engine.moe.experts import HybridExperts
+
+        moe = {i: lw for i, lw in enumerate(self.model.layers) if lw.w13 is not None}
+        cost = expert_cost_model(self.spec, self.dtype, self.device) \
+            if self.config.execution.missing_expert == "auto" and self.config.experts.residency != "all" else None
+        hybrid = HybridExperts(self.spec, self.config, {i: lw.w13 for i, lw in moe.items()},
+                               {i: lw.w2 for i, lw in moe.items()}, self.device, self.dtype, cost)
+        hybrid.plan(self.hotness)
+        self.model.hybrid = hybrid
+
+    def set_hotness(self, hotness) -> None:
+        """Expert hotness [MoE layers, experts] (shares per layer) for static and dynamic residency."""
+        self.hotness = hotness
+        if self.model.hybrid is not None and self.config.experts.residency in ("static", "dynamic"):
+            self._setup_experts()
+
+    def warm_up_hotness(self, tokens: int | None = None) -> None:
+        """Count expert hotness by routing synthetic tokens (when no router trace is given)."""
+        import numpy as np
+
+        n = self.config.experts.hotness_warmup_tokens if tokens is None else tokens
+        if n <= 0 or self.config.experts.residency not in ("static", "dynamic"):
+            return
+        g = torch.Generator().manual_seed(self.config.runtime.seed + 17)
+        ids = torch.randint(0, self.spec.vocab_size, (n,), generator=g).tolist()
+        self.model.stats.reset()
+        for start in range(0, n, 256):
+            self.add(f"warmup-{start}", ids[start: start + 256], 1)
+        while self.has_work:
+            self.step()
+        counts = np.stack([self.model.stats.counts[layer].cpu().numpy() for layer in self.spec.moe_layers])
+        self.model.stats.reset()
+        self.set_hotness(counts / np.maximum(counts.sum(axis=1, keepdims=True), 1))
 
     def _reset_runtime(self) -> None:
         s = self.config.scheduler
-        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, self.device)
+        cache_device = self.device
+        if self.device.type == "cuda" and self.config.execution.decode_attention == "host":
+            cache_device = torch.device("cpu")
+        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, cache_device)
         self.free_slots = list(range(s.max_batch_seqs))
         heapq.heapify(self.free_slots)
         self.running: list[Sequence] = []
@@ -122,12 +198,18 @@ class Engine:
         t = time.perf_counter()
         old = self.config
         config.validate()
-        if (config.runtime.device, config.runtime.compute_dtype) != (old.runtime.device, old.runtime.compute_dtype):
+        config.validate_for(self.spec, fast_tier_bytes(self.device))
+        if ((config.runtime.device, config.runtime.compute_dtype) != (old.runtime.device, old.runtime.compute_dtype)
+                or self._expert_device(config) != self.expert_device):
+            hotness = self.hotness
             self.__init__(self.model_path, config)  # a different device or precision needs the weights again
+            if hotness is not None:
+                self.set_hotness(hotness)
             return time.perf_counter() - t
         self.config = config
         if config.runtime.threads:
             torch.set_num_threads(config.runtime.threads)
+        self._setup_experts()
         self._reset_runtime()
         return time.perf_counter() - t
 
@@ -197,6 +279,9 @@ class Engine:
             return StepOutcome(time.perf_counter() - t0, 0, 0, 0, [], [])
         batch = StepBatch(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), segments)
         logits = self.model.forward(batch, self.cache)  # [S', V]
+        hybrid = self.model.hybrid
+        if hybrid is not None and (hybrid.state.dynamic is not None or self.config.execution.max_replicas > 0):
+            hybrid.observe(self.model.stats.step_counts(self.spec.moe_layers), len(ids))
         next_ids = self._sample(logits).tolist()
         produced: list[tuple[str, int]] = []
         finished: list[Sequence] = []

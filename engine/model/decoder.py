@@ -14,6 +14,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -148,12 +149,22 @@ class MoEStats:
     layer_calls: int = 0
     distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
 
+    last: dict[int, torch.Tensor] = field(default_factory=dict)  # the last step's counts per layer
+
+    def step_counts(self, layers) -> np.ndarray:
+        """Routed tokens per expert in the last step, [len(layers), E]."""
+        return np.stack([self.last[layer].cpu().numpy() for layer in layers])
+
     def mean_distinct(self) -> float:
         """Mean number of distinct experts one MoE layer ran per step."""
         return self.distinct_experts / self.layer_calls if self.layer_calls else 0.0
 
     def add(self, layer: int, expert_ids: torch.Tensor, n_experts: int) -> None:
-        c = torch.bincount(expert_ids.reshape(-1), minlength=n_experts)
+        flat = expert_ids.reshape(-1)
+        c = torch.bincount(flat[flat >= 0], minlength=n_experts)
+        self.layer_calls += 1
+        self.distinct_experts += int((c > 0).sum())
+        self.last[layer] = c
         if layer in self.counts:
             self.counts[layer] += c
         else:
@@ -167,11 +178,17 @@ class MoEStats:
 class MoEDecoder:
     """Weights of a checkpoint in the compute dtype on one device, and the forward pass."""
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 expert_device: torch.device | None = None):
         self.spec: ModelSpec = ckpt.spec
         self.dtype = dtype
         self.device = device
+        # Where the stacked expert weights are loaded: the host when only some experts may be resident.
+        self.expert_device = expert_device or device
         self.stats = MoEStats()
+        self.hybrid = None  # engine.moe.experts.HybridExperts when the config is not the plain one
+        self.top_k_override = 0
+        self.min_gate_weight = 0.0
         self.record_routes = False
         self.routes: list[RouteRecord] = []
         spec = self.spec
@@ -208,9 +225,9 @@ class MoEDecoder:
             return lw
         (lw.router,) = load([router_name(spec, i)])
         w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.dtype,
-                          device=self.device)
+                          device=self.expert_device)
         w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.dtype,
-                         device=self.device)
+                         device=self.expert_device)
         inter = spec.expert_intermediate
         names = [list(expert_tensor_names(spec, i, e)) for e in range(spec.n_experts)]
         got = dict(ckpt.tensors([n for trio in names for n in trio]))  # each file opened once per layer
@@ -240,7 +257,7 @@ class MoEDecoder:
         spec = self.spec
         x = self.embed.index_select(0, batch.token_ids)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)  # [T, d]
-        plan = _AttentionPlan(batch, cache, self.device)
+        plan = _AttentionPlan(batch, cache, cache.device)
         if self.record_routes:
             self.routes = []
         for i, lw in enumerate(self.layers):
@@ -275,10 +292,13 @@ class MoEDecoder:
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         kc, vc = cache.k[i], cache.v[i]
+        on_host = cache.device != self.device  # decode attention placed on the host: its KV cache lives there
+        if on_host:
+            q, k, v = q.to(cache.device), k.to(cache.device), v.to(cache.device)
         # Write the step's keys and values into the cache: [slot, head, pos, d].
         kc[plan.slot_of_token, :, plan.pos_of_token] = k
         vc[plan.slot_of_token, :, plan.pos_of_token] = v
-        out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=self.device)
+        out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=cache.device)
         if plan.decode_rows is not None:
             qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, Hq, 1, d]
             kd = plan.gather(kc)  # [B, KV, L, d]
@@ -291,10 +311,16 @@ class MoEDecoder:
             qs = q[seg.start: seg.start + seg.n_tokens].transpose(0, 1)[None]  # [1, Hq, n, d]
             ks = kc[seg.slot: seg.slot + 1, :, :end]  # [1, KV, past+n, d]
             vs = vc[seg.slot: seg.slot + 1, :, :end]
+            if on_host:  # prompt chunks are compute-heavy: they attend on the device
+                qs, ks, vs = qs.to(self.device), ks.to(self.device), vs.to(self.device)
             mask = plan.prefill_mask(seg, spec.sliding_window)
+            if mask is not None:
+                mask = mask.to(qs.device)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                                  scale=self.scale, enable_gqa=spec.n_kv_heads != spec.n_heads)
-            out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1)
+            out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1).to(out.device)
+        if on_host:
+            out = out.to(self.device)
         return F.linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
 
     def _mlp(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -303,26 +329,47 @@ class MoEDecoder:
         return F.linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
 
     def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over experts in fp32, top-k, optional renormalisation: ([T, K] weights, [T, K] ids)."""
+        """Softmax over experts in fp32, top-k, optional renormalisation: ([T, K] weights, [T, K] ids).
+
+        With a routing override (top-k override, minimum gate weight) skipped slots get weight 0 and
+        id -1; this mirrors :func:`engine.moe.policy.prune_routes`, which is the tested reference.
+        """
         logits = F.linear(h, lw.router)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)  # [T, K]
+        k = self.spec.top_k
+        k_run = max(k, self.top_k_override)  # an override above the model's k routes to more experts
+        weights, ids = torch.topk(probs, k_run, dim=-1)  # [T, K], descending
         if self.spec.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if (self.top_k_override and self.top_k_override < k) or self.min_gate_weight > 0:
+            rank = torch.arange(k_run, device=weights.device)[None, :]
+            keep = rank < (self.top_k_override or k_run)
+            if self.min_gate_weight > 0:
+                kept = (weights * keep).sum(-1, keepdim=True)
+                keep &= (weights / kept.clamp_min(1e-30)) >= self.min_gate_weight
+            keep |= rank == 0
+            total = weights.sum(-1, keepdim=True)
+            surviving = (weights * keep).sum(-1, keepdim=True)
+            weights = torch.where(keep, weights * (total / surviving), torch.zeros_like(weights))
+            ids = torch.where(keep, ids, torch.full_like(ids, -1))
         return weights, ids
 
     def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        t, k = h.shape[0], spec.top_k
+        t = h.shape[0]
         weights, ids = self.route(lw, h)
+        k = ids.shape[1]
         self.stats.add(i, ids, spec.n_experts)
         if self.record_routes:
             self.routes.append(RouteRecord(i, ids, weights))
+        if self.hybrid is not None:
+            out = self.hybrid.forward(i, h, weights, ids)
+            if lw.shared_w13 is not None:
+                out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
+            return out
         flat = ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
-        self.stats.layer_calls += 1
-        self.stats.distinct_experts += sum(1 for n in counts if n)
         xs = h.index_select(0, order // k)  # [T*K, H] grouped by expert
         ys = torch.empty_like(xs)
         inter = spec.expert_intermediate
