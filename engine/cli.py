@@ -162,6 +162,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.quality import evaluate, synthetic_prompts
+
+    engine = _load_engine(args)
+    if args.prompts:
+        from workloads.schema import load_workload
+
+        wl = load_workload(args.prompts)
+        prompts = [r.prompt_token_ids(engine.spec.vocab_size, engine.config.runtime.seed)
+                   for r in wl.requests[: args.max_prompts]]
+    else:
+        prompts = synthetic_prompts(engine.spec.vocab_size, n=args.max_prompts, seed=engine.config.runtime.seed)
+    res = evaluate(engine, prompts, text_file=args.text)
+    res["config_hash"] = engine.config.config_hash()
+    print(f"quality of {engine.model_path} with config {res['config_hash']} against its fp32 reference "
+          f"({res['prompts']} prompts, {res['positions']} positions):")
+    print(f"  next-token top-1 agreement {res['top1_agreement']:.4f}   mean KL {res['mean_kl']:.3e}"
+          + (f"   perplexity {res['perplexity']:.2f} (reference {res['reference_perplexity']:.2f})"
+             if "perplexity" in res else ""))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_knobs(args: argparse.Namespace) -> int:
     rows = knob_table()
     if args.json:
@@ -232,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--staggered", type=int, default=32, help="requests in the staggered-arrivals comparison (0=skip)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_compare_hf)
+
+    q = sub.add_parser("eval", help="quality of a config against the model's full-precision reference")
+    q.add_argument("--prompts", help="a workload (path or builtin:<name>) whose prompts to score")
+    q.add_argument("--max-prompts", type=int, default=8)
+    q.add_argument("--text", help="a text file for perplexity (needs the model's tokenizer.json)")
+    model_args(q)
+    q.set_defaults(fn=cmd_eval)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")

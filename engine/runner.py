@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from engine.config import inert_knobs
 from engine.hwinfo import hardware, software
 from engine.results import ExpertStat, RequestResult, RunResult, StepRecord
 from engine.runtime import Engine
@@ -42,6 +43,10 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
     if workload.router_trace is not None:
         # A trace recorded with another model would mislead every placement decision built on it.
         workload.router_trace.check_model(engine.spec.identity(engine.fingerprint), f"workload {workload.name}")
+        if engine.config.experts.residency in ("static", "dynamic"):
+            engine.set_hotness(workload.router_trace.hotness())
+    if engine.hotness is None:
+        engine.warm_up_hotness()  # no-op unless static or dynamic residency needs a profile
     requests = list(workload.requests)[: max_requests or None]
     seed = engine.config.runtime.seed
     prompts = {r.request_id: r.prompt_token_ids(engine.spec.vocab_size, seed) for r in requests}
@@ -100,6 +105,8 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
     finally:
         engine.model.record_routes = False
         telemetry = sampler.stop()
+        if engine.model.hybrid is not None:
+            engine.model.hybrid.drain()
     duration_s = time.perf_counter() - t0
     peak_dev = int(torch.cuda.max_memory_allocated(engine.device)) if engine.device.type == "cuda" else None
     meta = run_meta(engine, workload, mode, rate_scale)
@@ -127,11 +134,14 @@ def _stack_routes(chunks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def expert_stats(engine: Engine) -> list[ExpertStat]:
-    precision = str(engine.dtype).replace("torch.", "")
+    """Tokens routed to each expert, and where it lived and in which precision at the end of the run."""
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[str(engine.dtype).replace("torch.", "")]
+    table = engine.model.hybrid.expert_table() if engine.model.hybrid is not None else {}
     out = []
     for layer, counts in sorted(engine.model.stats.counts.items()):
         for e, n in enumerate(counts.tolist()):
-            out.append(ExpertStat(layer, e, int(n), resident=True, precision=precision, replicas=0))
+            resident, prec, replicas = table.get((layer, e), (True, precision, 0))
+            out.append(ExpertStat(layer, e, int(n), resident=resident, precision=prec, replicas=replicas))
     return out
 
 
@@ -166,7 +176,12 @@ def run_meta(engine: Engine, workload: Workload, mode: str, rate_scale: float) -
         "config_hash": engine.config.config_hash(),
         "device": str(engine.device),
         "compute_dtype": str(engine.dtype).replace("torch.", ""),
-        "hybrid": False,
+        # Tiers are distinct only with an accelerator; elsewhere the hybrid code runs on host memory alone.
+        "hybrid": engine.device.type == "cuda" and engine.model.hybrid is not None,
+        "inert_knobs": {**inert_knobs(engine.device.type == "cuda"),
+                        **(engine.model.hybrid.inert if engine.model.hybrid is not None else {})},
+        "tiers": engine.model.hybrid.stats.as_dict() if engine.model.hybrid is not None else None,
+        "fast_tier_expert_bytes": engine.model.hybrid.fast_bytes() if engine.model.hybrid is not None else None,
         "hardware": hardware(),
         "software": software(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -87,7 +87,8 @@ def is_plain(config: EngineConfig) -> bool:
     """True when no hybrid knob departs from "every expert resident, as loaded, coalesced"."""
     r, x, ro = config.experts, config.execution, config.routing
     return (r.residency == "all" and r.hi_precision == "auto" and r.lo_precision == "none" and x.max_replicas == 0
-            and x.expert_batching == "coalesced" and x.host_expert_threads == 0 and ro.top_k_override == 0
+            and x.expert_batching == "coalesced" and x.host_expert_threads == 0 and x.expert_sm_share == 1.0
+            and ro.top_k_override == 0
             and ro.min_gate_weight == 0.0)
 
 

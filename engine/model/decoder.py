@@ -40,6 +40,7 @@ class StepBatch:
     token_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     segments: list[Segment]
+    all_logits: bool = False  # logits for every token (quality evaluation), not only segment ends
 
     @property
     def n_tokens(self) -> int:
@@ -265,7 +266,10 @@ class MoEDecoder:
             x = x + self._attention(i, lw, h, cos, sin, plan, cache)
             h = rms_norm(x, lw.ln2, spec.rms_eps)
             x = x + (self._moe(i, lw, h) if lw.w13 is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h))
-        rows = [s.start + s.n_tokens - 1 for s in batch.segments if s.wants_logits]
+        if batch.all_logits:
+            rows = list(range(batch.n_tokens))
+        else:
+            rows = [s.start + s.n_tokens - 1 for s in batch.segments if s.wants_logits]
         if not rows:
             return torch.empty(0, spec.vocab_size)
         xr = x.index_select(0, torch.tensor(rows, device=self.device))
@@ -343,11 +347,11 @@ class MoEDecoder:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if (self.top_k_override and self.top_k_override < k) or self.min_gate_weight > 0:
             rank = torch.arange(k_run, device=weights.device)[None, :]
-            keep = rank < (self.top_k_override or k_run)
+            keep = (rank < (self.top_k_override or k_run)).expand_as(weights)
             if self.min_gate_weight > 0:
                 kept = (weights * keep).sum(-1, keepdim=True)
-                keep &= (weights / kept.clamp_min(1e-30)) >= self.min_gate_weight
-            keep |= rank == 0
+                keep = keep & ((weights / kept.clamp_min(1e-30)) >= self.min_gate_weight)
+            keep = keep | (rank == 0)
             total = weights.sum(-1, keepdim=True)
             surviving = (weights * keep).sum(-1, keepdim=True)
             weights = torch.where(keep, weights * (total / surviving), torch.zeros_like(weights))

@@ -127,7 +127,6 @@ def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_size = [0]
     total_params = 0
-    down_std = std / math.sqrt(2.0 * spec.n_layers)  # residual-branch outputs scaled as in GPT-2's init
     for name, shape in names.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t = torch.ones(shape)
@@ -138,8 +137,6 @@ def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 
             t = torch.randn(shape, generator=gen)
             if router_skew > 0:
                 t += _U_SHARE * math.sqrt(h) * u  # the shared component along u (a fraction of the norm)
-        elif name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
-            t = torch.randn(shape, generator=gen) * down_std
         else:
             t = torch.randn(shape, generator=gen) * std
         if name in routers:

@@ -69,6 +69,11 @@ class ExpertVersion:
         return F.linear(x, self.w2) if isinstance(self.w2, torch.Tensor) else _quant().qlinear(x, self.w2)
 
 
+@contextmanager
+def _null() -> Iterator[None]:
+    yield
+
+
 def _quant():
     from engine.moe import quant  # integer precisions only: float versions never need it
 
@@ -121,6 +126,7 @@ class TierStats:
     replica_calls: int = 0
     swaps: int = 0
     replans: int = 0
+    prefetched: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -155,6 +161,8 @@ class HybridExperts:
         self._pending: list[Future] = []
         self._host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-host-experts")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.inert: dict[str, str] = {}
+        self.expert_stream = self._sm_partition_stream()
         self.bytes_hi = expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.hi, self.group)
         self.bytes_lo = (expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.lo, self.group)
                          if self.lo else None)
@@ -179,7 +187,7 @@ class HybridExperts:
                     h.fast = v
                 hs.append(h)
             self.handles[layer] = hs
-        self._tokens_since_replan = 0
+        self._step_ids: dict[int, np.ndarray] = {}
         self._recent: list[np.ndarray] = []
         self._recent_tokens = 0
 
@@ -312,6 +320,34 @@ class HybridExperts:
                     self.stats.bytes_to_fast += n * self.bytes_hi
         self.state.replicas = wanted
 
+    def _sm_partition_stream(self) -> torch.cuda.Stream | None:
+        """A stream on a CUDA green context holding ``expert_sm_share`` of the SMs, for expert compute.
+
+        Green contexts (CUDA 12.4+ driver API, exposed as ``torch.cuda.green_contexts``) give a real SM
+        partition; transfers and attention stay on the default context's streams. Where they are not
+        available the knob is reported inert with the reason.
+        """
+        share = self.config.execution.expert_sm_share
+        if self.device.type != "cuda" or share >= 1.0:
+            return None
+        try:
+            from torch.cuda.green_contexts import SUPPORTED, GreenContext
+        except ImportError:
+            SUPPORTED = False
+        if not SUPPORTED:
+            self.inert["execution.expert_sm_share"] = "this PyTorch build has no CUDA green contexts"
+            return None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        n = max(1, int(round(share * sms)))
+        try:
+            self._green = GreenContext.create(num_sms=n, device_id=self.device.index or 0)
+            stream = self._green.Stream()
+        except Exception as e:  # driver too old, MIG, ...: say so rather than ignore the knob
+            self.inert["execution.expert_sm_share"] = f"green context with {n} SMs failed: {e}"
+            return None
+        log.info("expert compute on a green context of %d of %d SMs", n, sms)
+        return stream
+
     # ------------------------------------------------------------------ execution
     @contextmanager
     def _host_threads(self) -> Iterator[None]:
@@ -337,9 +373,38 @@ class HybridExperts:
         x_cfg = self.config.execution
         t, k = ids.shape
         out = torch.zeros_like(h)
-        for sl in step_slices(t, x_cfg.expert_batching, x_cfg.micro_batch_tokens):
-            out[sl] = self._forward_tokens(layer, h[sl], weights[sl], ids[sl])
+        stream = self.expert_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            for sl in step_slices(t, x_cfg.expert_batching, x_cfg.micro_batch_tokens):
+                out[sl] = self._forward_tokens(layer, h[sl], weights[sl], ids[sl])
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.state.cache is not None and self.config.experts.prefetch_experts > 0:
+            self._prefetch_next(layer, ids)
         return out
+
+    def _prefetch_next(self, layer: int, ids: torch.Tensor) -> None:
+        """Cache residency: learn layer-to-layer co-occurrence and copy up the next layer's likely experts."""
+        cache = self.state.cache
+        li = self.layer_index[layer]
+        self._step_ids[li] = ids.cpu().numpy()
+        if li == len(self.moe_layers) - 1:
+            if len(self._step_ids) == len(self.moe_layers):
+                cache.observe(np.stack([self._step_ids[i] for i in range(len(self.moe_layers))], axis=1))
+            self._step_ids = {}
+            return
+        flat = self._step_ids[li].reshape(-1)
+        current = {int(e): int(n) for e, n in zip(*np.unique(flat[flat >= 0], return_counts=True), strict=True)}
+        want = cache.prefetch_candidates(li + 1, current, self.config.experts.prefetch_experts)
+        if not want:
+            return
+        nxt = self.moe_layers[li + 1]
+        moves: list[tuple[int, int, str | None]] = [(nxt, e, None) for e in cache.prefetch(li + 1, want)]
+        moves += [(nxt, e, self.hi) for e in want if e in cache.cached(li + 1)]
+        self.stats.prefetched += len(want)
+        self._promote_async(moves)
 
     def _forward_tokens(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
@@ -368,10 +433,9 @@ class HybridExperts:
                     self.handles[layer][ev].fast = None
                     if old is not None:
                         self.stats.bytes_evicted += old.nbytes
-                if e in cache.cached(li):
-                    if handle.fast is None:  # admitted on a miss: copy it up and keep it
-                        handle.fast = self._version(layer, e, self.hi)
-                        self.stats.bytes_to_fast += handle.fast.nbytes
+                if handle.fast is None and e in cache.cached(li):  # admitted on a miss: copy it up, keep it
+                    handle.fast = self._version(layer, e, self.hi)
+                    self.stats.bytes_to_fast += handle.fast.nbytes
                 # not admitted (a cache smaller than one expert): it runs as a missing expert below
             v = handle.fast  # read once: a concurrent swap cannot split this call across versions
             if v is not None:

@@ -14,8 +14,9 @@ from tuner.baselines import BASELINES, Baseline, BaselineContext, baseline_point
 from tuner.space import Condition, build_space, inert_knobs, parse_fixed
 
 HW = {"cpu_model": "test", "cpu_cores": 2, "gpu": None}
-SEARCHED = {"runtime.compute_dtype", "scheduler.max_batch_seqs", "scheduler.max_batch_tokens",
-            "scheduler.prefill_chunk_tokens"}
+#: Knobs searched since the first engine; the registry grows, these stay.
+CORE = {"runtime.compute_dtype", "scheduler.max_batch_seqs", "scheduler.max_batch_tokens",
+        "scheduler.prefill_chunk_tokens"}
 
 
 def _registry_with(key: str, **search) -> list[KnobInfo]:
@@ -23,15 +24,22 @@ def _registry_with(key: str, **search) -> list[KnobInfo]:
             for k in knobs()]
 
 
+def _knob(template_key: str, **fields) -> KnobInfo:
+    """A made-up knob, copied from a real one so that it has every field the registry has."""
+    template = next(k for k in knobs() if k.key == template_key)
+    if "when" in {f.name for f in dataclasses.fields(KnobInfo)}:
+        fields.setdefault("when", {})
+        fields.setdefault("needs", None)
+    return dataclasses.replace(template, **fields)
+
+
 def _fake_registry() -> list[KnobInfo]:
-    """Today's registry plus a batching mode and a micro-batch size that only counts for 'micro'."""
-    extra = [
-        KnobInfo("scheduler", "batching", str, "coalesced", "Batching mode.", None, None,
-                 ("coalesced", "micro"), Search(choices=("coalesced", "micro")), True),
-        KnobInfo("scheduler", "micro_batch_seqs", int, 4, "Micro-batch size.", 1, 64, None,
-                 Search(low=1, high=16, log=True), True),
+    """The registry plus a batching mode and a micro-batch size that only counts under 'micro'."""
+    return knobs() + [
+        _knob("runtime.compute_dtype", area="scheduler", name="batching", default="coalesced",
+              choices=("coalesced", "micro"), search=Search(choices=("coalesced", "micro"))),
+        _knob("scheduler.max_batch_seqs", name="micro_batch_seqs", default=4, search=Search(low=1, high=16, log=True)),
     ]
-    return knobs() + extra
 
 
 MICRO = Condition("scheduler.micro_batch_seqs", "scheduler.batching", ("micro",))
@@ -39,11 +47,20 @@ MICRO = Condition("scheduler.micro_batch_seqs", "scheduler.batching", ("micro",)
 
 def test_space_is_every_knob_with_a_search_range():
     space = build_space(HW)
-    assert set(space.keys) == SEARCHED == {k.key for k in knobs() if k.search is not None}
+    searchable = {k.key for k in knobs() if k.search is not None}
+    assert CORE <= set(space.keys) <= searchable
+    assert set(space.keys) | set(space.omitted) == searchable  # every searchable knob is accounted for
     assert space.param("scheduler.max_batch_seqs").kind == "int"
     assert space.param("scheduler.max_batch_seqs").log
     assert space.param("runtime.compute_dtype").choices == ("auto", "checkpoint", "float32")
-    assert inert_knobs(HW) == {}  # nothing is inert on a CPU-only machine today
+    inert = inert_knobs(HW)
+    assert not set(inert) & set(space.keys) and not set(inert) & CORE
+    for key in set(inert) & searchable:
+        assert "inert" in space.omitted[key]
+    # Every condition of a searched knob is on a searched parent sampled before it.
+    for i, p in enumerate(space.params):
+        for c in p.when:
+            assert c.parent in space.keys[:i]
 
 
 def test_space_hash_is_short_stable_and_changes_with_the_space():
@@ -59,13 +76,13 @@ def test_space_hash_is_short_stable_and_changes_with_the_space():
     assert build_space(HW, registry=_registry_with("runtime.compute_dtype",
                                                    choices=("auto", "float32"))).space_hash() != h
     assert build_space(HW, fixed={"scheduler.max_batch_seqs": 8}).space_hash() != h
-    assert build_space(HW, inert={"scheduler.max_batch_tokens": "test"}).space_hash() != h
+    assert build_space(HW, inert={**inert_knobs(HW), "scheduler.max_batch_tokens": "test"}).space_hash() != h
 
 
 def test_pinned_and_inert_knobs_leave_the_space():
     space = build_space(HW, fixed={"scheduler.max_batch_seqs": 8},
-                        inert={"runtime.compute_dtype": "no second precision here"})
-    assert set(space.keys) == SEARCHED - {"scheduler.max_batch_seqs", "runtime.compute_dtype"}
+                        inert={**inert_knobs(HW), "runtime.compute_dtype": "no second precision here"})
+    assert set(space.keys) == set(build_space(HW).keys) - {"scheduler.max_batch_seqs", "runtime.compute_dtype"}
     assert "pinned" in space.omitted["scheduler.max_batch_seqs"]
     assert "inert" in space.omitted["runtime.compute_dtype"]
     config = space.to_config({"scheduler.max_batch_tokens": 256, "scheduler.prefill_chunk_tokens": 64},
@@ -73,6 +90,7 @@ def test_pinned_and_inert_knobs_leave_the_space():
     assert config.scheduler.max_batch_seqs == 8
     # An inert rule is a function of the hardware.
     rules = [lambda hw: {} if hw.get("gpu") else {"runtime.compute_dtype": "no GPU"}]
+    assert "runtime.compute_dtype" not in build_space({**HW, "gpu": {"name": "x"}}, inert={}).omitted
     assert inert_knobs(HW, rules) == {"runtime.compute_dtype": "no GPU"}
     assert inert_knobs({**HW, "gpu": {"name": "x"}}, rules) == {}
 
@@ -97,7 +115,7 @@ def test_conditional_knob_is_sampled_only_when_its_parent_is_set():
     assert "missing" in space.problems({**point, "scheduler.batching": "micro"})[0]
     # Pinned parent: the child is searched unconditionally, or not at all.
     on = build_space(HW, registry=_fake_registry(), conditions=(MICRO,), fixed={"scheduler.batching": "micro"})
-    assert on.param("scheduler.micro_batch_seqs").condition is None
+    assert on.param("scheduler.micro_batch_seqs").when == ()
     off = build_space(HW, registry=_fake_registry(), conditions=(MICRO,),
                       fixed={"scheduler.batching": "coalesced"})
     assert "scheduler.micro_batch_seqs" not in off.keys

@@ -1,0 +1,129 @@
+"""Every way a trial can end is recorded, in our tables and Optuna's, and the study goes on."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from sqlalchemy import select
+
+from db.models import Trial
+from db.session import make_engine, session_scope
+from engine.config import EngineConfig
+from tuner import objective as objective_module
+from tuner.cli import main
+from tuner.objective import ATTR_INTERRUPTED, ATTR_RETRY_OF, ATTR_STATE
+from tuner.study import counted_trials, run_trials
+
+
+def _rows(db):
+    with session_scope(db) as s:
+        return [(t.number, t.state, t.error) for t in s.scalars(select(Trial).order_by(Trial.number))]
+
+
+def test_infeasible_failed_and_interrupted_trials_are_recorded_and_the_study_goes_on(
+        sqlite_url, wire, monkeypatch):
+    w = wire(sqlite_url, slo=["ttft_p99_ms=60000"])
+    study, obj = w.study, w.objective
+    point = w.objective.space.defaults(EngineConfig())
+    n = 0
+
+    def run_one(params):
+        nonlocal n
+        study.enqueue_trial(params)
+        n += 1
+        run_trials(study, obj, n)
+
+    run_one(point)  # 0: complete
+    obj.memory_limit_bytes = 1
+    run_one({**point, "scheduler.max_batch_seqs": 8})  # 1: cannot fit: infeasible, never run
+    obj.memory_limit_bytes = None
+    with pytest.warns(UserWarning):  # Optuna: the enqueued value lies outside the searched range
+        run_one({**point, "scheduler.max_batch_seqs": 32, "scheduler.max_batch_tokens": 16})  # 2: rejected
+
+    engine = obj.engine
+
+    def out_of_memory(config):
+        raise MemoryError("cannot allocate 64 GiB")
+
+    monkeypatch.setattr(engine, "reconfigure", out_of_memory)
+    run_one({**point, "scheduler.max_batch_seqs": 4})  # 3: crashes: failed, and the study goes on
+    run_one({**point, "scheduler.max_batch_seqs": 5})  # 4: a fresh engine (the old one is suspect)
+    assert obj.engine is not engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(objective_module, "run_workload", interrupted)
+    study.enqueue_trial({**point, "scheduler.max_batch_seqs": 6})
+    with pytest.raises(KeyboardInterrupt):
+        run_trials(study, obj, 6)  # 5: Ctrl-C: recorded, re-enqueued, and the interrupt goes on up
+    monkeypatch.undo()
+    run_trials(study, obj, 6)  # 6: the interrupted trial's retry
+
+    rows = _rows(w.db)
+    assert [(num, state) for num, state, _ in rows] == [
+        (0, "complete"), (1, "infeasible"), (2, "infeasible"), (3, "failed"), (4, "complete"), (5, "failed"),
+        (6, "complete")]
+    errors = {num: err for num, _, err in rows}
+    assert "GiB" in errors[1] and "available" in errors[1]
+    assert "scheduler.max_batch_seqs=32" in errors[2] and "max_batch_tokens=16" in errors[2]
+    assert errors[3].startswith("out of memory: MemoryError: cannot allocate 64 GiB")
+    assert "interrupted" in errors[5]
+    assert all("\n" not in (e or "") for e in errors.values())
+
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.PRUNED,
+                                         TrialState.FAIL, TrialState.COMPLETE, TrialState.FAIL,
+                                         TrialState.COMPLETE]
+    assert [t.user_attrs.get(ATTR_STATE) for t in trials[1:4]] == ["infeasible", "infeasible", "failed"]
+    assert trials[5].user_attrs[ATTR_INTERRUPTED] and trials[6].user_attrs[ATTR_RETRY_OF] == 5
+    assert trials[6].params == trials[5].params
+    assert [t.number for t in counted_trials(trials)] == [0, 1, 2, 3, 4, 6]
+    if hasattr(trials[1], "constraints"):  # Optuna >= 5: infeasible trials violate every constraint
+        assert trials[1].constraints and all(v > 0 for v in trials[1].constraints.values())
+
+
+def test_a_trial_that_cannot_meet_the_slo_is_cut_short(sqlite_url, wire):
+    w = wire(sqlite_url, slo=["ttft_p99_ms=1"], mode="realtime", name="tight")
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point)
+    run_trials(w.study, w.objective, 1)
+    (num, state, error), = _rows(w.db)
+    assert state == "pruned" and error.startswith("cut short after ")
+    assert w.study.trials[0].state == TrialState.PRUNED
+    # Baselines are never cut short: the gain over them needs their numbers.
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    run_trials(w.study, w.objective, 2)
+    assert _rows(w.db)[1][1] == "complete"
+    with session_scope(w.db) as s:
+        baseline = s.scalars(select(Trial).where(Trial.number == 1)).one()
+        assert baseline.slo_attainment == 0 and baseline.summary["feasible"] is False
+
+
+def test_multi_objective_study_and_capacity(sqlite_url, tmp_path, capsys, kit, tiny_workload):
+    rc = main(["run", *kit.FAST, "--trials", "3", "--db", sqlite_url, "--study", "pareto",
+               "--objectives", "output_tokens_per_s,tpot_p99_ms", "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    name = next(n for n in optuna.get_all_study_names(sqlite_url) if n.startswith("pareto-"))
+    study = optuna.load_study(study_name=name, storage=sqlite_url)
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MINIMIZE"] and len(study.trials) == 3
+    assert main(["show", "--study", "pareto", "--db", sqlite_url, "--json"]) == 0
+    report = kit.last_json(capsys.readouterr().out)
+    assert report["objectives"] == ["output_tokens_per_s", "tpot_p99_ms"] and report["best"]
+    out = tmp_path / "pareto.json"
+    assert main(["export", "--study", "pareto", "--db", sqlite_url, "--out", str(out), "--rank", "2"]) == 0
+    assert json.loads(out.read_text())["metrics"]["objectives"].keys() == {"output_tokens_per_s", "tpot_p99_ms"}
+
+    rc = main(["run", "--model", kit.MODEL, "--workload", kit.WORKLOAD, "--max-requests", "4", "--trials", "1",
+               "--db", sqlite_url, "--study", "cap", "--capacity", "--slo", "ttft_p99_ms=400", "--quiet", "--json"])
+    assert rc == 0, capsys.readouterr().err
+    with session_scope(make_engine(sqlite_url)) as s:
+        trial = s.scalars(select(Trial).where(Trial.baseline_name == "defaults").order_by(Trial.id.desc())).first()
+        summary = trial.summary
+    assert summary["capacity_probes"] and summary["capacity_rate_scale"] >= 0
+    first = [r.arrival_s for r in tiny_workload.requests[:4]]
+    rate_per_s = 3 / (first[-1] - first[0])
+    assert summary["capacity_rps"] == pytest.approx(summary["capacity_rate_scale"] * rate_per_s)
