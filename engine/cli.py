@@ -186,6 +186,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from engine.sweep import default_sweep, run_sweep
+
+    engine = _load_engine(args)
+    sweep = default_sweep(engine)
+    if args.knobs:
+        unknown = [k for k in args.knobs.split(",") if k not in sweep]
+        if unknown:
+            raise ConfigError(f"--knobs: {unknown[0]!r} is not swept (choose from {', '.join(sweep)})")
+        sweep = {k: sweep[k] for k in args.knobs.split(",")}
+    res = run_sweep(engine, sweep, args.batch, args.prompt_len, args.new_tokens, args.repeats, args.quality_prompts)
+    print(f"model {res['model']} ({res['compute_dtype']}), batch {args.batch}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, median of {args.repeats}; quality vs the fp32 reference")
+    print(_table(res["rows"], ["knob", "value", "prefill_tokens_per_s", "decode_tokens_per_s", "rss_gib",
+                               "fast_tier_expert_gib", "bytes_to_fast", "host_expert_calls", "top1_agreement",
+                               "mean_kl", "error"],
+                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "rss_gib": ".2f",
+                  "fast_tier_expert_gib": ".3f", "top1_agreement": ".3f", "mean_kl": ".2e"}))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_knobs(args: argparse.Namespace) -> int:
     rows = knob_table()
     if args.json:
@@ -263,6 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--text", help="a text file for perplexity (needs the model's tokenizer.json)")
     model_args(q)
     q.set_defaults(fn=cmd_eval)
+
+    w = sub.add_parser("sweep", help="each hybrid knob alone: speed, memory, tier traffic, quality")
+    w.add_argument("--knobs", help="comma-separated subset of the swept knobs")
+    w.add_argument("--batch", type=int, default=8)
+    w.add_argument("--prompt-len", type=int, default=64)
+    w.add_argument("--new-tokens", type=int, default=16)
+    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--quality-prompts", type=int, default=4)
+    model_args(w)
+    w.set_defaults(fn=cmd_sweep)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")

@@ -44,7 +44,7 @@ def compare_logits(ref: list[torch.Tensor], cand: list[torch.Tensor]) -> dict[st
     for r, c in zip(ref, cand, strict=True):
         agree += int((r.argmax(-1) == c.argmax(-1)).sum())
         total += r.shape[0]
-        lp, lq = torch.log_softmax(r, -1), torch.log_softmax(c, -1)
+        lp, lq = torch.log_softmax(r.double(), -1), torch.log_softmax(c.double(), -1)
         kl_sum += float((lp.exp() * (lp - lq)).sum())
     return {"top1_agreement": agree / total, "mean_kl": kl_sum / total, "positions": total}
 

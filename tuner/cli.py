@@ -1,4 +1,4 @@
-"""``tuner``: search the engine's knobs against SLOs, resumably; show, export and browse studies.
+"""tuner: search the engine's knobs against SLOs, resumably; show, export and browse studies.
 
     tuner run                      # a short study on the built-in model and workload
     tuner run --model DIR --workload W --slo ttft_p99_ms=2000 --slo tpot_p99_ms=200 --timeout 8h
@@ -24,7 +24,7 @@ from typing import Any
 
 DEFAULT_MODEL = "builtin:qwen3_moe-tiny"
 DEFAULT_WORKLOAD = "builtin:tiny"
-DEFAULT_TRIALS = 16
+DEFAULT_TRIALS = 24
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -60,6 +60,8 @@ def _trial_line(frozen: Any, objectives: list[str]) -> str:
     parts += [f"attainment {_fmt(m.get('slo_attainment'), '.0%')}",
               f"ttft p99 {_fmt(m.get('ttft_p99_ms'), '.0f')} ms", f"tpot p99 {_fmt(m.get('tpot_p99_ms'), '.0f')} ms",
               f"{_fmt(m.get('output_tokens_per_s'), '.1f')} tok/s",
+              *([f"top-1 agreement {m['quality_top1_agreement']:.1%}"] if m.get("quality_top1_agreement") is not None
+                else []),
               f"reconfigure {_fmt(m.get('reconfigure_s', 0) * 1e3, '.1f')} ms"]
     return f"{head} complete{'' if feasible(frozen) else ' (SLO missed)'}: " + ", ".join(parts)
 
@@ -105,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from engine.runtime import Engine
     from tuner.baselines import BaselineContext, baseline_points
-    from tuner.objective import Objective
+    from tuner.objective import Objective, quality_available
     from tuner.record import Recorder, model_identity, record_study, workload_fingerprint
     from tuner.space import build_space
     from tuner.study import (
@@ -122,7 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     hw = hardware()
     sw = {**software(), "optuna": optuna.__version__}
-    space = build_space(hw, fixed=fixed)
+    space = build_space(hw, fixed=fixed, base=base)
     if not space.params:
         raise ConfigError("nothing to search: every searchable knob is pinned or inert here")
     name = full_study_name(args.study or default_study_name(args.model, args.workload), space.space_hash())
@@ -147,6 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "slo": slo.to_dict(),
         "objectives": objectives,
         "capacity": args.capacity,
+        "quality": not args.no_quality,
         "base_config_hash": start_config.config_hash(),
     }
     study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
@@ -158,14 +161,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     storage = open_storage(url, args.heartbeat_s, on_lost)
     study = open_study(storage, name, objectives, slo.constraint_names(), settings, seed=args.seed)
     points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
-    enqueued = enqueue_baselines(study, points)
+    enqueued = enqueue_baselines(study, points, args.trials)
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
     objective = Objective(
         engine=engine, model=args.model, workload=workload, space=space, base=base, slo=slo,
         objectives=objectives, recorder=recorder, mode=args.mode, rate_scale=args.rate_scale,
         capacity=args.capacity, max_requests=args.max_requests, load_s=load_s,
-        memory_limit_bytes=int(args.memory_gib * 2**30) if args.memory_gib else None, prune=not args.no_prune)
+        memory_limit_bytes=int(args.memory_gib * 2**30) if args.memory_gib else None, prune=not args.no_prune,
+        quality=not args.no_quality)
+    if any(name.startswith("quality") for name in slo.bounds) and not (objective.quality and quality_available()):
+        say("tuner: warning: quality bounds are not checked: "
+            + ("--no-quality" if not objective.quality else "this engine cannot measure quality"))
 
     warm_s = objective.warm_up()
     done_before = len(counted_trials(study.get_trials(deepcopy=False)))
@@ -212,12 +219,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"median {_fmt((timing['reconfigure_median_s'] or 0) * 1e3, '.2f')} ms, "
         f"max {_fmt((timing['reconfigure_max_s'] or 0) * 1e3, '.1f')} ms over {len(reconf)} trials")
     _print_report(report, say)
-    db_flag = "" if not args.db else f" --db {args.db}"
+    db_flag = "" if not args.db else f" --db {mask_url(args.db)}"
     say("\nnext:")
     say(f"  tuner show --study {name}{db_flag}")
     say(f"  tuner export --study {name}{db_flag} --out best.json")
     say(f"  engine run --config best.json --model {args.model} --workload {args.workload}")
-    say(f"  tuner dashboard{db_flag}     (or: MOETUNE_DB={url} streamlit run dashboard/app.py)")
+    say(f"  tuner dashboard{db_flag}     (or: MOETUNE_DB={mask_url(url)} streamlit run dashboard/app.py)")
     if args.json:
         print(json.dumps({**report, "timing": timing, "interrupted": interrupted}))
     return 130 if interrupted else 0
@@ -335,11 +342,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     import dashboard
     from db.session import resolve_url
 
+    url = resolve_url(args.db)
+    _readonly_db(url).dispose()  # a missing or unreachable database is a one-line error here
     app = Path(dashboard.__file__).resolve().parent / "app.py"
     if not app.is_file():
         raise OSError(f"the dashboard is not installed: {app} is missing")
-    url = resolve_url(args.db)
-    _readonly_db(url).dispose()  # a missing or unreachable database is a one-line error here
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port)]
     print(f"tuner: {' '.join(cmd)}  (MOETUNE_DB set)", file=sys.stderr)
     return subprocess.call(cmd, env={**os.environ, "MOETUNE_DB": url})
@@ -362,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
     r.add_argument("--slo", action="append", metavar="NAME=VALUE|FILE",
                    help="an SLO bound (repeat), e.g. ttft_p99_ms=2000, tpot_p99_ms=200, quality_min=0.95, "
-                        "attainment_min=0.9; or a JSON file of them (default ttft_p99_ms=1000, tpot_p99_ms=100)")
+                        "attainment_min=0.9; or a JSON file of them (default ttft_p99_ms=1000, tpot_p99_ms=100, "
+                        "quality_min=0.9)")
     r.add_argument("--objective", default="goodput", help="what to maximise or minimise (default goodput)")
     r.add_argument("--objectives", help="several, comma-separated, for a Pareto search "
                                         "(e.g. output_tokens_per_s,tpot_p99_ms)")
@@ -384,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trial heartbeat; a trial silent for 3 beats is retried (default 10)")
     r.add_argument("--memory-gib", type=float, help="memory a config may use (default: what is free)")
     r.add_argument("--no-prune", action="store_true", help="never cut a trial short")
+    r.add_argument("--no-quality", action="store_true",
+                   help="skip measuring output quality against the full-precision reference after each run")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no per-trial lines")
     r.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     r.set_defaults(fn=cmd_run)

@@ -70,6 +70,8 @@ class Objective:
     memory_limit_bytes: int | None = None
     """Memory a config may use beyond what the process holds; None: what the machine has free."""
     prune: bool = True
+    quality: bool = True
+    """Measure output quality against the full-precision reference after each run (when the engine can)."""
     reconfigure_s: list[float] = field(default_factory=list)
     _engine_suspect: bool = False
 
@@ -81,7 +83,10 @@ class Objective:
         try:
             config = self.space.to_config(values, self.base, source=source)
         except ConfigError as e:
-            raw = {**self.base.to_dict(), "params": values}
+            raw = self.base.to_dict()  # the config as asked for, unvalidated
+            for key, value in {**self.space.fixed, **values}.items():
+                area, name = key.split(".", 1)
+                raw.setdefault(area, {})[name] = value
             trial_id = self.recorder.start(trial.number, raw, stable_hash(raw), baseline)
             self._stop(trial, trial_id, "infeasible", str(e))
         trial_id = self.recorder.start(trial.number, config.to_dict(), config.config_hash(), baseline)
@@ -134,6 +139,13 @@ class Objective:
         on_step = watch if prune else None
         result = run_workload(watched, self.workload, mode=self.mode, rate_scale=self.rate_scale,  # type: ignore[arg-type]
                               max_requests=self.max_requests, on_step=on_step)
+        quality_s = None
+        if self.quality:
+            t = time.perf_counter()
+            measured = measure_quality(self.engine)
+            quality_s = time.perf_counter() - t
+            if measured is not None:
+                result.quality = {k: float(measured[k]) for k in ("top1_agreement", "mean_kl") if k in measured}
         summary = result.summary()
         slo_result = evaluate(result.requests, summary, result.duration_s, self.slo)
         extra: dict[str, Any] = {
@@ -141,6 +153,7 @@ class Objective:
             "goodput_tokens_per_s": slo_result.goodput_tokens_per_s,
             "slo_attainment": slo_result.attainment,
             "reconfigure_s": reconfigure_s,
+            "quality_s": quality_s,
         }
         if self.capacity:
             extra.update(self._capacity(slo_result.attainment))
@@ -202,7 +215,9 @@ class Objective:
             return evaluate(r.requests, r.summary(), r.duration_s, self.slo).attainment
 
         cap = find_capacity(attainment_at, target, self.rate_scale)
-        base_rate = self.workload.rate_per_s or 0.0
+        arrivals = [r.arrival_s for r in list(self.workload.requests)[: self.max_requests or None]]
+        span_s = max(arrivals) - min(arrivals) if arrivals else 0.0
+        base_rate = (len(arrivals) - 1) / span_s if span_s > 0 else 0.0  # requests/s at rate scale 1
         return {"capacity_rate_scale": cap.rate_scale, "capacity_rps": cap.rate_scale * base_rate,
                 "capacity_bounded": cap.bounded, "capacity_probes": [list(p) for p in cap.probes]}
 
@@ -263,6 +278,25 @@ def constraints_of(names: Sequence[str]):
         return [float(stored.get(n, 1.0)) for n in names]
 
     return constraints
+
+
+def quality_available() -> bool:
+    """Whether this engine can measure output quality (``engine.quality``)."""
+    try:
+        from engine.quality import evaluate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def measure_quality(engine: Engine) -> dict[str, Any] | None:
+    """Top-1 agreement and mean KL of the engine's current config against its full-precision
+    reference (``engine.quality.evaluate``), or None when the engine cannot measure it."""
+    try:
+        from engine.quality import evaluate as quality_of
+    except ImportError:
+        return None
+    return dict(quality_of(engine))
 
 
 def _one_line(e: BaseException) -> str:

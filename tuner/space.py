@@ -8,8 +8,8 @@ named by its dotted key (``scheduler.max_batch_seqs``), except:
   on a machine without the accelerator it splits against, say);
 - conditional knobs whose parent knob is pinned to a value that does not activate them.
 
-A conditional knob (:class:`Condition`) is sampled only in trials whose parent takes one of the
-activating values, so Optuna sees a tree, not a box. The space has a short stable hash of its
+A conditional knob is sampled only in trials whose parents take activating values (the registry's
+``when`` declarations, plus :data:`CONDITIONS`), so Optuna sees a tree, not a box. The space has a short stable hash of its
 parameter names, types, ranges and conditions; the study name carries it, so a study never mixes
 trials drawn from different spaces.
 """
@@ -40,16 +40,24 @@ class Condition:
     values: tuple[Any, ...]
 
 
-#: Conditional knobs of the registry. None today; the hybrid engine adds, for example,
-#: ``Condition("scheduler.micro_batch_seqs", "scheduler.batching", ("micro",))``.
+#: Conditions beyond those the registry declares with ``knob(..., when={...})`` (none today), e.g.
+#: ``Condition("execution.micro_batch_tokens", "execution.expert_batching", ("micro",))``.
 CONDITIONS: tuple[Condition, ...] = ()
 
 InertRule = Callable[[Mapping[str, Any]], dict[str, str]]
 
+def _registry_rule(hardware: Mapping[str, Any]) -> dict[str, str]:
+    """The registry's own verdict (``engine.config.inert_knobs``, from each knob's ``needs``)."""
+    from engine import config
+
+    rule = getattr(config, "inert_knobs", None)
+    return dict(rule(bool(hardware.get("gpu")))) if rule is not None else {}
+
+
 #: Rules that name knobs doing nothing on a machine (``engine.hwinfo.hardware()``), each returning
-#: ``{knob key: reason}``. None of today's knobs is inert anywhere; the hybrid engine adds rules such
-#: as "the accelerator SM share is inert without a GPU".
-INERT_RULES: list[InertRule] = []
+#: ``{knob key: reason}``: the registry's ``needs`` (GPU-only knobs, knobs that need a fast tier
+#: apart from the host), and any a later engine adds here.
+INERT_RULES: list[InertRule] = [_registry_rule]
 
 
 def inert_knobs(hardware: Mapping[str, Any], rules: list[InertRule] | None = None) -> dict[str, str]:
@@ -71,13 +79,15 @@ class Param:
     log: bool = False
     step: float | None = None
     choices: tuple[Any, ...] | None = None
-    condition: Condition | None = None
+    when: tuple[Condition, ...] = ()
+    """Conditions on searched parents, all of which must hold for this parameter to be sampled."""
     default: Any = None
 
     def suggest(self, trial: Any) -> Any:
         """Draw this parameter from an Optuna trial."""
         if self.kind == "categorical":
             return trial.suggest_categorical(self.key, list(self.choices or ()))
+        assert self.low is not None and self.high is not None
         if self.kind == "int":
             return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log,
                                      step=int(self.step or 1))
@@ -106,8 +116,8 @@ class Param:
             d["choices"] = list(self.choices or ())
         else:
             d.update(low=self.low, high=self.high, log=self.log, step=self.step)
-        if self.condition is not None:
-            d["when"] = {"parent": self.condition.parent, "values": list(self.condition.values)}
+        if self.when:
+            d["when"] = {c.parent: list(c.values) for c in self.when}
         return d
 
 
@@ -115,19 +125,18 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def param_from_knob(k: KnobInfo, condition: Condition | None = None) -> Param:
+def param_from_knob(k: KnobInfo, when: tuple[Condition, ...] = ()) -> Param:
     """The Optuna parameter of a knob with a ``search`` declaration."""
     s = k.search
     assert s is not None
     if s.choices is not None:
-        return Param(k.key, "categorical", choices=tuple(s.choices), condition=condition, default=k.default)
+        return Param(k.key, "categorical", choices=tuple(s.choices), when=when, default=k.default)
     if k.type is bool:
-        return Param(k.key, "categorical", choices=(False, True), condition=condition, default=k.default)
+        return Param(k.key, "categorical", choices=(False, True), when=when, default=k.default)
     if s.low is None or s.high is None:
         raise ValueError(f"knob {k.key}: search needs low and high, or choices")
     kind = "int" if k.type is int else "float"
-    return Param(k.key, kind, low=s.low, high=s.high, log=s.log, step=s.step, condition=condition,
-                 default=k.default)
+    return Param(k.key, kind, low=s.low, high=s.high, log=s.log, step=s.step, when=when, default=k.default)
 
 
 @dataclass(frozen=True)
@@ -164,12 +173,11 @@ class SearchSpace:
         return hashlib.sha256(blob.encode()).hexdigest()[:HASH_CHARS]
 
     def active(self, param: Param, values: Mapping[str, Any]) -> bool:
-        """Whether ``param`` is sampled given the values drawn so far (its parent's above all)."""
-        c = param.condition
-        if c is None:
-            return True
-        parent = values.get(c.parent, self.fixed.get(c.parent))
-        return parent in c.values
+        """Whether ``param`` is sampled given the values drawn so far (its parents' above all).
+
+        A parent that is itself inactive (absent from ``values``) turns its children off.
+        """
+        return all(c.parent in values and values[c.parent] in c.values for c in param.when)
 
     def sample(self, trial: Any) -> dict[str, Any]:
         """Draw every active parameter from an Optuna trial: ``{knob key: value}``."""
@@ -190,15 +198,15 @@ class SearchSpace:
         for p in self.params:
             if not self.active(p, values):
                 if p.key in values:
-                    out.append(f"{p.key}: inactive for {p.condition.parent}={values.get(p.condition.parent)!r}"
-                               if p.condition else f"{p.key}: inactive")
+                    parents = ", ".join(f"{c.parent}={values.get(c.parent)!r}" for c in p.when)
+                    out.append(f"{p.key}: inactive for {parents}")
                 continue
             if p.key not in values:
                 out.append(f"{p.key}: missing")
                 continue
-            why = p.problem(values[p.key])
-            if why:
-                out.append(f"{p.key}={values[p.key]!r}: {why}")
+            problem = p.problem(values[p.key])
+            if problem:
+                out.append(f"{p.key}={values[p.key]!r}: {problem}")
         return out
 
     def defaults(self, base: EngineConfig) -> dict[str, Any]:
@@ -259,33 +267,50 @@ def parse_fixed(entries: list[str], base: EngineConfig | None = None) -> dict[st
     return out
 
 
+def registry_conditions(registry: list[KnobInfo]) -> list[Condition]:
+    """The conditions the registry declares (``knob(..., when={"parent": (values...)})``)."""
+    by_name = {k.name: k for k in registry}
+    out = []
+    for k in registry:
+        for parent, values in (getattr(k, "when", None) or {}).items():
+            p = by_name.get(parent) or next((q for q in registry if q.key == parent), None)
+            if p is None:
+                raise ValueError(f"knob {k.key}: condition on unknown knob {parent!r}")
+            out.append(Condition(k.key, p.key, tuple(values)))
+    return out
+
+
 def build_space(
     hardware: Mapping[str, Any],
     *,
     fixed: Mapping[str, Any] | None = None,
+    base: EngineConfig | None = None,
     inert: Mapping[str, str] | None = None,
     conditions: tuple[Condition, ...] | None = None,
     registry: list[KnobInfo] | None = None,
 ) -> SearchSpace:
     """The search space for this machine: every knob with a search range, less pinned and inert ones.
 
-    ``inert`` defaults to :func:`inert_knobs` of ``hardware``; ``conditions`` to :data:`CONDITIONS`;
-    ``registry`` to ``engine.config.knobs()`` (tests pass their own).
+    ``fixed`` pins knobs; ``base`` (default: the engine defaults) gives the values of knobs not
+    searched, which decide conditions on them. ``inert`` defaults to :func:`inert_knobs` of
+    ``hardware``; ``conditions`` adds to the registry's own (default :data:`CONDITIONS`);
+    ``registry`` defaults to ``engine.config.knobs()`` (tests pass their own).
     """
     fixed = dict(fixed or {})
     inert = dict(inert_knobs(hardware) if inert is None else inert)
-    conditions = CONDITIONS if conditions is None else conditions
     registry = knobs() if registry is None else registry
+    extra = CONDITIONS if conditions is None else conditions
     by_key = {k.key: k for k in registry}
-    cond_of: dict[str, Condition] = {}
-    for c in conditions:
+    base_values = flatten(base.to_dict()) if base is not None else {}
+    when_of: dict[str, list[Condition]] = {}
+    for c in [*registry_conditions(registry), *extra]:
         for key in (c.knob, c.parent):
             if key not in by_key:
                 raise ValueError(f"condition on unknown knob {key!r}")
-        cond_of[c.knob] = c
+        when_of.setdefault(c.knob, []).append(c)
 
     omitted: dict[str, str] = {}
-    candidates: list[KnobInfo] = []
+    candidates: dict[str, KnobInfo] = {}
     for k in registry:
         if k.search is None:
             continue
@@ -294,26 +319,26 @@ def build_space(
         elif k.key in inert:
             omitted[k.key] = f"inert here: {inert[k.key]}"
         else:
-            candidates.append(k)
-    searched = {k.key for k in candidates}
+            candidates[k.key] = k
 
-    params: list[Param] = []
-    for k in candidates:
-        c = cond_of.get(k.key)
-        if c is not None and c.parent not in searched:
-            parent_value = fixed.get(c.parent, by_key[c.parent].default)
-            if parent_value not in c.values:
-                omitted[k.key] = f"inactive: {c.parent}={parent_value!r}"
-                continue
-            c = None  # the parent is pinned to an activating value: always searched
-        params.append(param_from_knob(k, c))
-    params = _parents_first(params)
-    # A child whose parent left the space (inactive itself) leaves too.
-    keep = [p for p in params if p.condition is None or p.condition.parent in {q.key for q in params}]
-    for p in params:
-        if p not in keep:
-            omitted[p.key] = f"inactive: {p.condition.parent if p.condition else '?'} is not searched"
-    space = SearchSpace(tuple(keep), fixed, omitted)
+    def static_value(key: str) -> Any:
+        return fixed.get(key, base_values.get(key, by_key[key].default))
+
+    # Conditions on knobs that are not searched are decided now; a knob whose condition fails is
+    # out, which may in turn decide its own children: repeat until nothing changes.
+    changed = True
+    while changed:
+        changed = False
+        for key in list(candidates):
+            for c in when_of.get(key, ()):
+                if c.parent not in candidates and static_value(c.parent) not in c.values:
+                    omitted[key] = f"inactive: {c.parent}={static_value(c.parent)!r}"
+                    del candidates[key]
+                    changed = True
+                    break
+    params = [param_from_knob(k, tuple(c for c in when_of.get(k.key, ()) if c.parent in candidates))
+              for k in candidates.values()]
+    space = SearchSpace(tuple(_parents_first(params)), fixed, omitted)
     if omitted:
         log.info("search space %s leaves out %s", space.space_hash(), omitted)
     return space
@@ -325,15 +350,11 @@ def _parents_first(params: list[Param]) -> list[Param]:
     placed: set[str] = set()
     pending = list(params)
     while pending:
-        progressed = False
-        for p in list(pending):
-            if p.condition is None or p.condition.parent in placed or p.condition.parent not in {
-                q.key for q in params
-            }:
-                done.append(p)
-                placed.add(p.key)
-                pending.remove(p)
-                progressed = True
-        if not progressed:
+        ready = [p for p in pending if all(c.parent in placed for c in p.when)]
+        if not ready:
             raise ValueError(f"circular knob conditions among {[p.key for p in pending]}")
+        for p in ready:
+            done.append(p)
+            placed.add(p.key)
+            pending.remove(p)
     return done

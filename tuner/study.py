@@ -116,14 +116,16 @@ def open_storage(url: str, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
     try:
         import inspect
 
+        # Optuna >= 4.9 renamed the callback; the old name warns.
         callback_arg = ("heartbeat_stale_trial_callback"
                         if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
                         else "failed_trial_callback")
+        callback: dict[str, Any] = {callback_arg: on_lost or RetryLostTrial()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             return optuna.storages.RDBStorage(
                 url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_s,
-                grace_period=GRACE_HEARTBEATS * heartbeat_s, **{callback_arg: on_lost or RetryLostTrial()})
+                grace_period=GRACE_HEARTBEATS * heartbeat_s, **callback)
     except Exception as e:  # noqa: BLE001 - SQLAlchemy and Optuna raise many kinds
         cause = " ".join(str(e).split())[:200]
         raise DatabaseError(f"cannot open Optuna storage in {mask_url(url)}: {cause}") from e
@@ -145,15 +147,16 @@ def open_study(storage: optuna.storages.RDBStorage, name: str, objectives: Seque
             diff = [k for k in sorted(set(stored) | set(settings)) if stored.get(k) != settings.get(k)]
             shown = ", ".join(f"{k}={stored.get(k)!r} (now {settings.get(k)!r})" for k in diff[:3])
             raise StudyError(f"study {name!r} was started with {shown}; use another --study name")
-    study = optuna.create_study(storage=storage, study_name=name, directions=directions(objectives),
-                                load_if_exists=True)
+    dirs: list[Any] = directions(objectives)
+    study = optuna.create_study(storage=storage, study_name=name, directions=dirs, load_if_exists=True)
     if not existing:
         study.set_user_attr(ATTR_SETTINGS, settings)
     n_before = len(study.get_trials(deepcopy=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # Multivariate TPE with groups models knobs jointly and copes with conditional knobs.
         study.sampler = optuna.samplers.TPESampler(
-            seed=seed + n_before,
+            seed=seed + n_before, multivariate=True, group=True,
             constraints_func=constraints_of(constraint_names) if constraint_names and not NATIVE_CONSTRAINTS else None,
         )
     return study
@@ -165,13 +168,25 @@ def _jsonable(obj: Any) -> Any:
     return json_safe(obj)
 
 
-def enqueue_baselines(study: optuna.Study, points: list[tuple[Baseline, dict[str, Any]]]) -> list[str]:
-    """Enqueue each baseline once per study (not again on resume); returns the names enqueued."""
-    seen = {t.user_attrs.get(ATTR_BASELINE) for t in study.get_trials(deepcopy=False)}
-    enqueued = []
+def enqueue_baselines(study: optuna.Study, points: list[tuple[Baseline, dict[str, Any]]],
+                      n_trials: int | None = None) -> list[str]:
+    """Enqueue each baseline once per study (not again on resume); returns the names enqueued.
+
+    With ``n_trials``, no more are enqueued than the study has room for; a later run with more
+    trials enqueues the rest.
+    """
+    trials = study.get_trials(deepcopy=False)
+    seen = {t.user_attrs.get(ATTR_BASELINE) for t in trials}
+    room = None
+    if n_trials is not None:
+        waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
+        room = n_trials - len(counted_trials(trials)) - waiting
+    enqueued: list[str] = []
     for baseline, params in points:
         if baseline.name in seen:
             continue
+        if room is not None and len(enqueued) >= room:
+            break
         study.enqueue_trial(params, user_attrs={ATTR_BASELINE: baseline.name})
         enqueued.append(baseline.name)
     if enqueued:

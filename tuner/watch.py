@@ -34,6 +34,13 @@ class WatchedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The runner may set engine state; it must land on the engine, not on this stand-in.
+        if name.startswith("_") or name == "progress":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._engine, name, value)
+
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Any:
         self._origin = min(self._origin, time.perf_counter() - self._arrivals_s.get(key, 0.0))
         seq = self._engine.add(key, prompt, max_new_tokens)

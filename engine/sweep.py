@@ -1,0 +1,82 @@
+"""``engine sweep``: each hybrid knob alone, per value: speed, memory, bytes moved between tiers, quality.
+
+One model load; every value is applied with ``Engine.reconfigure`` (weights reload only when the
+compute precision changes). Each row is the median of ``repeats`` runs of prefill + decode at one
+batch size, plus the quality of that config against the model's fp32 reference.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import psutil
+
+from engine.bench import bench_batch
+from engine.config import ConfigError, EngineConfig
+from engine.quality import evaluate, synthetic_prompts
+from engine.runtime import Engine
+
+
+def default_sweep(engine: Engine) -> dict[str, list[Any]]:
+    """Values per knob; budgets are fractions of the model's expert bytes (so they fit any model)."""
+    spec = engine.spec
+    expert_bytes = len(spec.moe_layers) * spec.n_experts * spec.expert_params() * 4
+    half_gib = round(expert_bytes * 0.5 / 2**30, 4)
+    quarter_gib = round(expert_bytes * 0.25 / 2**30, 4)
+    return {
+        "hi_precision": ["auto", "bf16", "int8", "int4"],
+        "expert_batching": ["coalesced", "micro:4", "micro:16"],
+        "top_k_override": [0, spec.top_k // 2, max(1, spec.top_k // 4)],
+        "min_gate_weight": [0.0, 0.05, 0.1],
+        "host_expert_threads": [0, 1],
+        "residency": ["all", f"static:{half_gib}", f"static:{quarter_gib}+int8", f"cache:{half_gib}"],
+    }
+
+
+def _apply(base: EngineConfig, knob: str, value: Any) -> EngineConfig:
+    """Composite values: ``micro:N`` sets the micro-batch size, ``static:GiB[+lo]`` a budget and a fallback."""
+    if knob == "expert_batching" and isinstance(value, str) and value.startswith("micro:"):
+        return base.replace(expert_batching="micro", micro_batch_tokens=int(value.split(":")[1]))
+    if knob == "residency" and isinstance(value, str) and ":" in value:
+        policy, rest = value.split(":", 1)
+        budget, _, lo = rest.partition("+")
+        cfg = base.replace(residency=policy, resident_budget_gib=float(budget))
+        return cfg.replace(lo_precision=lo) if lo else cfg
+    return base.replace(**{knob: value})
+
+
+def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_len: int, new_tokens: int,
+              repeats: int, quality_prompts: int) -> dict[str, Any]:
+    base = engine.config
+    prompts = synthetic_prompts(engine.spec.vocab_size, n=quality_prompts, length=prompt_len)
+    proc = psutil.Process()
+    bench_batch(engine, batch, min(prompt_len, 16), 4)  # warm-up: first-touch of buffers and kernels
+    rows = []
+    for knob, values in sweep.items():
+        for value in values:
+            try:
+                cfg = _apply(base, knob, value)
+                engine.reconfigure(cfg)
+            except (ConfigError, ValueError) as e:
+                rows.append({"knob": knob, "value": str(value), "error": str(e)})
+                continue
+            engine.warm_up_hotness()
+            runs = [bench_batch(engine, batch, prompt_len, new_tokens, seed=r)
+                    for r in range(repeats)]
+            tiers = engine.model.hybrid.stats.as_dict() if engine.model.hybrid is not None else {}
+            q = evaluate(engine, prompts)
+            rows.append({
+                "knob": knob, "value": str(value), "config_hash": cfg.config_hash(),
+                "prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in runs),
+                "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+                "rss_gib": proc.memory_info().rss / 2**30,
+                "fast_tier_expert_gib": (engine.model.hybrid.fast_bytes() / 2**30
+                                         if engine.model.hybrid is not None else None),
+                "bytes_to_fast": tiers.get("bytes_to_fast", 0),
+                "host_expert_calls": tiers.get("expert_calls_host", 0),
+                "top1_agreement": q["top1_agreement"], "mean_kl": q["mean_kl"],
+            })
+    engine.reconfigure(base)
+    return {"model": str(engine.model_path), "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "repeats": repeats, "compute_dtype": str(engine.dtype).replace("torch.", ""), "rows": rows}
