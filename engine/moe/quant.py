@@ -258,12 +258,43 @@ def dequantize(qw: QWeight) -> torch.Tensor:
 
 def _dequant_int4(qw: QWeight, dtype: torch.dtype) -> torch.Tensor:
     n, k = qw.shape
-    assert qw.scales is not None and qw.group_size is not None
-    q = _int4_values(qw)[:n]  # [N, K] uint8 in [0, 15]
-    sz = qw.scales[:, :n].float()  # [G, N, 2]
-    s, z = sz[..., 0].t()[:, :, None], sz[..., 1].t()[:, :, None]  # [N, G, 1]
-    w = (q.view(n, k // qw.group_size, qw.group_size).float() - 8) * s + z
-    return w.view(n, k).to(dtype)
+    n_pad, g = qw.out_padded, qw.group_size
+    assert qw.scales is not None and g is not None
+    w = torch.empty(n_pad, k, device=qw.device)  # [N', K] fp32
+    _write_int4_values(qw, w)
+    sz = qw.scales.float()  # [G, N', 2]
+    s = sz[..., 0].t()[:, :, None]  # [N', G, 1]
+    zs = (sz[..., 1] - 8 * sz[..., 0]).t()[:, :, None]  # w = q * s + (z - 8 s)
+    # In place: the out-of-place broadcast over [N', G, g] is ~10x slower on the CPU (measured).
+    w.view(n_pad, k // g, g).mul_(s).add_(zs)
+    return w[:n].to(dtype)
+
+
+def _write_int4_values(qw: QWeight, out: torch.Tensor) -> None:
+    """Write the int4 values (0..15) of ``qw`` into the float ``[N', K]`` tensor ``out``, without
+    materialising an unpacked uint8 copy for the two common layouts."""
+    n_pad, k = out.shape
+    p = qw.data
+    if qw.layout == "int4_plain":
+        o = out.view(n_pad, k // 2, 2)
+        o[..., 0].copy_(p >> 4)
+        o[..., 1].copy_(p & 15)
+    elif qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
+        flat = p.reshape(-1)
+        full = n_pad // 64 * 64
+        if full:
+            b = flat[: full * k // 2].view(full // 64, k, 32).transpose(1, 2)  # [B, 32, K]
+            o = out[:full].view(full // 64, 2, 32, k)
+            o[:, 0].copy_(b & 15)
+            o[:, 1].copy_(b >> 4)
+        if n_pad > full:
+            r = n_pad - full
+            b = flat[full * k // 2:].view(k, r // 2).t()  # [r/2, K]
+            o = out[full:].view(r // 2, 2, k)
+            o[:, 0].copy_(b & 15)
+            o[:, 1].copy_(b >> 4)
+    else:
+        out.copy_(_int4_values(qw))
 
 
 # ------------------------------------------------------------------------------------------- qlinear
