@@ -122,7 +122,7 @@ class ResidencyConfig:
         search=Search(choices=("all", "static", "dynamic", "cache")))
     resident_budget_gib: float = knob(
         1.0, "Fast-tier memory for expert weights (GiB), used by static, dynamic and cache residency.",
-        min=0.0, max=4096.0, search=Search(low=0.05, high=8.0, log=True), when=_PLANNED)
+        min=0.0, max=4096.0, search=Search(low=0.0, high=8.0), when=_PLANNED)
     budget_split: Literal["uniform", "proportional", "vector"] = knob(
         "uniform", "How the budget is split across MoE layers: equally, by recorded load, or by "
         "budget_layer_weights.", search=Search(choices=("uniform", "proportional")), when=_PLANNED)
@@ -154,7 +154,7 @@ class ResidencyConfig:
         search=Search(choices=("none", "int8", "int4")), when={"residency": ("static", "dynamic")})
     int4_group_size: int = knob(
         128, "Group size (input channels per scale) of int4 weights; must divide hidden and expert widths.",
-        min=16, max=4096, search=Search(choices=(32, 64, 128)))
+        min=16, max=4096, search=Search(choices=(32, 64, 128)), when={"hi_precision": ("int4",)})
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ per-layer budget, say), so ``knobs`` may be a function of a :class:`BaselineCont
 is enqueued only when every knob it sets is a parameter of the study's search space and its value
 lies in range: a study that pins or drops a knob skips the baselines that need it.
 
-The hybrid engine will add: all experts on the host (llama.cpp ``--cpu-moe``), KTransformers'
+Peer-style hybrid baselines: all experts on the host (llama.cpp ``--cpu-moe``), KTransformers'
 frequency placement with a uniform per-layer budget, and Fiddler's rule (compute a missing expert
-on the host unless fetching it is cheaper). Register them with :func:`register`.
+on the host unless fetching it is cheaper). Others can be added with :func:`register`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,50 @@ BASELINES: list[Baseline] = [
 ]
 
 
+def _expert_gib(ctx: BaselineContext, fraction: float) -> float:
+    """``fraction`` of the model's expert weights in fp32, in GiB (a budget that fits any model)."""
+    spec = ctx.spec
+    if spec is None:
+        raise ValueError("needs the model's shapes")
+    total = len(spec.moe_layers) * spec.n_experts * spec.expert_params() * 4
+    return round(total * fraction / 2**30, 6)
+
+
+def _has_gpu(ctx: BaselineContext) -> bool:
+    return bool(ctx.hardware.get("gpu"))
+
+
+def _cpu_moe(ctx: BaselineContext) -> dict[str, Any]:
+    knobs: dict[str, Any] = {"experts.residency": "static", "experts.resident_budget_gib": 0.0}
+    if _has_gpu(ctx):  # without an accelerator the execution knob is inert and not in the space
+        knobs["execution.missing_expert"] = "host"
+    return knobs
+
+
+def _ktransformers(ctx: BaselineContext) -> dict[str, Any]:
+    knobs: dict[str, Any] = {"experts.residency": "static", "experts.budget_split": "uniform",
+                             "experts.resident_budget_gib": _expert_gib(ctx, 0.25)}
+    if _has_gpu(ctx):
+        knobs["execution.missing_expert"] = "host"
+    return knobs
+
+
+def _fiddler(ctx: BaselineContext) -> dict[str, Any]:
+    knobs: dict[str, Any] = {"experts.residency": "static", "experts.resident_budget_gib": _expert_gib(ctx, 0.25)}
+    if _has_gpu(ctx):
+        knobs["execution.missing_expert"] = "auto"
+    return knobs
+
+
+BASELINES += [
+    Baseline("llama.cpp --cpu-moe", "every expert on the host, attention and the rest on the fast tier", _cpu_moe),
+    Baseline("ktransformers-like", "the hottest experts per layer resident (a quarter of the expert bytes, "
+             "uniform per layer), the others computed on the host", _ktransformers),
+    Baseline("fiddler", "a quarter of the expert bytes resident; a missing expert runs on the host unless "
+             "fetching it is cheaper by calibrated costs", _fiddler),
+]
+
+
 def register(baseline: Baseline) -> None:
     """Add a baseline (replacing one of the same name)."""
     BASELINES[:] = [b for b in BASELINES if b.name != baseline.name] + [baseline]
@@ -97,6 +141,11 @@ def baseline_points(space: SearchSpace, ctx: BaselineContext,
         # Parameters the baseline turns off (a conditional child of a changed parent) drop out.
         values = {k: v for k, v in values.items()
                   if k in wanted or k not in space.keys or space.active(space.param(k), values)}
+        # ...and children it turns on (residency=static enables the budget knobs) take the base's values.
+        for k in space.keys:
+            if k not in values and space.active(space.param(k), values):
+                area, name = k.split(".", 1)
+                values[k] = getattr(getattr(ctx.base, area), name)
         problems = space.problems(values)
         if not problems:
             try:

@@ -179,8 +179,9 @@ def enqueue_baselines(study: optuna.Study, points: list[tuple[Baseline, dict[str
     seen = {t.user_attrs.get(ATTR_BASELINE) for t in trials}
     room = None
     if n_trials is not None:
-        waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
-        room = n_trials - len(counted_trials(trials)) - waiting
+        # A trial left RUNNING by a killed worker will come back as a retry: keep its slot too.
+        pending = sum(1 for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING))
+        room = n_trials - len(counted_trials(trials)) - pending
     enqueued: list[str] = []
     for baseline, params in points:
         if baseline.name in seen:

@@ -90,7 +90,7 @@ def run(hidden: int = 1024, inter: int = 384, tokens: tuple[int, ...] = (1, 8, 3
         for m in tokens:
             x = torch.randn(m, hidden, device=dev)
             for path in paths:
-                def one_pass(x: torch.Tensor = x, path: str = path) -> None:
+                def one_pass(x: torch.Tensor = x, path: str = path, pool: list = pool) -> None:
                     for w13, w2 in pool:
                         h = qlinear(x, w13, path)  # type: ignore[arg-type]  # [T, 2I]
                         qlinear(F.silu(h[:, :inter]) * h[:, inter:], w2, path)  # type: ignore[arg-type]
@@ -100,7 +100,7 @@ def run(hidden: int = 1024, inter: int = 384, tokens: tuple[int, ...] = (1, 8, 3
                              "tokens": m, "us_per_expert": round(t * 1e6, 1),
                              "weight_gb_per_s": round(per / t / 1e9, 2), "bytes_per_expert": per,
                              "pool_experts": len(pool)})
-        del pool
+        pool = []  # free before the next precision's pool
     return {"device": str(dev), "threads": torch.get_num_threads(), "hidden": hidden, "inter": inter,
             "group_size": group_size, "pool_mib": pool_mib, "read_gb_per_s": round(read_gbps(pool_bytes, dev, repeats), 1),
             "torch": torch.__version__, "kernels": kernel_report(), "rows": rows}

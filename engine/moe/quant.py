@@ -10,7 +10,7 @@ Kernels (chosen once per weight, when it is made or moved; ``QWeight.kernel`` sa
 ============  =====================================================  ==========================================
 precision     CPU                                                    CUDA
 ============  =====================================================  ==========================================
-fp32/bf16/16  ``F.linear`` in the weight's dtype                     ``F.linear`` in the weight's dtype
+fp32/16-bit   ``F.linear`` in the weight's dtype                     ``F.linear`` in the weight's dtype
 int8          ``aten._weight_int8pack_mm`` (bf16 activations,        ``aten._weight_int8pack_mm`` where the
               in % 16 == 0); ``dequant`` otherwise                   build has it (probed), else ``dequant``
 int4          ``aten._weight_int4pack_mm_for_cpu`` (bf16             ``aten._weight_int4pack_mm`` (tinygemm,
@@ -63,10 +63,13 @@ KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 """int4 group sizes the packed kernels (CPU and tinygemm) accept; others run through ``dequant``."""
 INT4_ROW_MULTIPLE = 16
 """int4 output rows are padded to this (CPU kernel: N % 16; tinygemm: N % 8)."""
-DEQUANT_FROM_TOKENS: dict[tuple[str, str], int] = {("cpu", "int8"): 32, ("cpu", "int4"): 64}
+DEQUANT_FROM_TOKENS: dict[tuple[str, str], int] = {("cpu", "int8"): 128, ("cpu", "int4"): 256}
 """(device type, precision) -> tokens per call from which ``path="auto"`` dequantises and runs a dense
 product instead of the packed kernel (measured with ``python -m engine.moe.bench_quant``). Absent pairs
 always use the kernel."""
+
+DEQUANT_BLOCK_BYTES = 512 * 1024
+"""fp32 bytes of weight rows dequantised at a time on the CPU ``dequant`` path (fits L2 with room)."""
 
 _SCALE_DTYPE = torch.bfloat16
 _ACT_DTYPE = torch.bfloat16  # activation dtype of the packed kernels
@@ -199,7 +202,8 @@ class QWeight:
     def state_dict(self) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         """Portable (metadata, tensors) for saving: int4 in ``int4_plain`` layout, tensors on the CPU."""
         w = _relayout_int4(self, "int4_plain") if self.precision == "int4" else self
-        meta = {"precision": w.precision, "shape": list(w.shape), "group_size": w.group_size, "layout": w.layout}
+        meta: dict[str, object] = {"precision": w.precision, "shape": list(w.shape), "group_size": w.group_size,
+                                   "layout": w.layout}
         tensors = {"data": w.data.cpu()} | ({} if w.scales is None else {"scales": w.scales.cpu()})
         return meta, tensors
 
@@ -212,13 +216,15 @@ class QWeight:
             raise ValueError(f"not a portable QWeight: precision={precision!r} layout={layout!r}")
         assert isinstance(shape, list | tuple) and (gs is None or isinstance(gs, int))
         n, k = int(shape[0]), int(shape[1])
-        data, scales = tensors["data"], tensors.get("scales")
+        device = torch.device(device)
+        data = tensors["data"].to(device)
+        scales = tensors["scales"].to(device) if "scales" in tensors else None
         if precision == "int4":
             assert gs is not None
             plain = cls("int4", (n, k), gs, "int4_plain", "dequant", data, scales)
-            return _relayout_int4(plain, _int4_layout_for(data.device, k, gs)).to(device)
-        kernel = _pick_kernel(precision, data.device, (n, k))  # type: ignore[arg-type]
-        return cls(precision, (n, k), None, layout, kernel, data, scales).to(device)  # type: ignore[arg-type]
+            return _relayout_int4(plain, _int4_layout_for(device, k, gs))
+        kernel = _pick_kernel(precision, device, (n, k))  # type: ignore[arg-type]
+        return cls(precision, (n, k), None, layout, kernel, data, scales)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------ quantize
@@ -251,50 +257,77 @@ def dequantize(qw: QWeight) -> torch.Tensor:
     if qw.precision in FLOAT_DTYPES:
         return qw.data.float()
     if qw.precision == "int8":
-        assert qw.scales is not None
-        return qw.data.float() * qw.scales.float()[:, None]
+        return _dequant_rows(qw, 0, qw.shape[0], torch.float32)
     return _dequant_int4(qw, torch.float32)
 
 
 def _dequant_int4(qw: QWeight, dtype: torch.dtype) -> torch.Tensor:
-    n, k = qw.shape
-    n_pad, g = qw.out_padded, qw.group_size
-    assert qw.scales is not None and g is not None
-    w = torch.empty(n_pad, k, device=qw.device)  # [N', K] fp32
-    _write_int4_values(qw, w)
-    sz = qw.scales.float()  # [G, N', 2]
-    s = sz[..., 0].t()[:, :, None]  # [N', G, 1]
+    return _dequant_rows(qw, 0, qw.out_padded, dtype)[: qw.shape[0]]
+
+
+def _dequant_rows(qw: QWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``r0:r1`` of the dequantised weight (int8, or int4 with ``r0`` a multiple of 64 and ``r1`` one
+    or the padded row count; int8 rows end at ``shape[0]``)."""
+    k = qw.shape[1]
+    assert qw.scales is not None
+    if qw.precision == "int8":
+        return qw.data[r0:r1].to(dtype).mul_(qw.scales[r0:r1, None].to(dtype))
+    g = qw.group_size
+    assert g is not None
+    w = torch.empty(r1 - r0, k, device=qw.device)  # fp32
+    _write_int4_values(qw, w, r0, r1)
+    sz = qw.scales[:, r0:r1].float()  # [G, r, 2]
+    s = sz[..., 0].t()[:, :, None]  # [r, G, 1]
     zs = (sz[..., 1] - 8 * sz[..., 0]).t()[:, :, None]  # w = q * s + (z - 8 s)
-    # In place: the out-of-place broadcast over [N', G, g] is ~10x slower on the CPU (measured).
-    w.view(n_pad, k // g, g).mul_(s).add_(zs)
-    return w[:n].to(dtype)
+    # In place: the out-of-place broadcast over [r, G, g] is ~10x slower on the CPU (measured).
+    w.view(r1 - r0, k // g, g).mul_(s).add_(zs)
+    return w if dtype == torch.float32 else w.to(dtype)
 
 
-def _write_int4_values(qw: QWeight, out: torch.Tensor) -> None:
-    """Write the int4 values (0..15) of ``qw`` into the float ``[N', K]`` tensor ``out``, without
-    materialising an unpacked uint8 copy for the two common layouts."""
-    n_pad, k = out.shape
+def _write_int4_values(qw: QWeight, out: torch.Tensor, r0: int, r1: int) -> None:
+    """Write the int4 values (0..15) of rows ``r0:r1`` into the float ``[r1 - r0, K]`` tensor ``out``,
+    without an unpacked uint8 copy for the two common layouts."""
+    k = qw.shape[1]
     p = qw.data
     if qw.layout == "int4_plain":
-        o = out.view(n_pad, k // 2, 2)
-        o[..., 0].copy_(p >> 4)
-        o[..., 1].copy_(p & 15)
+        o = out.view(r1 - r0, k // 2, 2)
+        o[..., 0].copy_(p[r0:r1] >> 4)
+        o[..., 1].copy_(p[r0:r1] & 15)
     elif qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
         flat = p.reshape(-1)
-        full = n_pad // 64 * 64
-        if full:
-            b = flat[: full * k // 2].view(full // 64, k, 32).transpose(1, 2)  # [B, 32, K]
-            o = out[:full].view(full // 64, 2, 32, k)
+        full = qw.out_padded // 64 * 64
+        f1 = min(r1, full)
+        if f1 > r0:
+            b = flat[r0 * k // 2: f1 * k // 2].view((f1 - r0) // 64, k, 32).transpose(1, 2)  # [B, 32, K]
+            o = out[: f1 - r0].view((f1 - r0) // 64, 2, 32, k)
             o[:, 0].copy_(b & 15)
             o[:, 1].copy_(b >> 4)
-        if n_pad > full:
-            r = n_pad - full
+        if r1 > full:
+            r = r1 - full
             b = flat[full * k // 2:].view(k, r // 2).t()  # [r/2, K]
-            o = out[full:].view(r // 2, 2, k)
+            o = out[full - r0:].view(r // 2, 2, k)
             o[:, 0].copy_(b & 15)
             o[:, 1].copy_(b >> 4)
     else:
-        out.copy_(_int4_values(qw))
+        out.copy_(_int4_values(qw)[r0:r1])
+
+
+def _dequant_linear(x2: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    """``x2 @ dequantize(qw).T`` in ``x2``'s dtype. On the CPU the weight is dequantised a block of rows at
+    a time (:data:`DEQUANT_BLOCK_BYTES`) and multiplied while the block is in cache: a whole fp32 copy
+    makes several trips through DRAM and costs more than the product (measured)."""
+    n, k = qw.shape
+    if qw.device.type != "cpu":
+        return F.linear(x2, _dequant_rows(qw, 0, n, x2.dtype) if qw.precision == "int8"
+                        else _dequant_int4(qw, x2.dtype))
+    rows_total = n if qw.precision == "int8" else qw.out_padded
+    block = max(64, DEQUANT_BLOCK_BYTES // (4 * k) // 64 * 64)
+    yt = torch.empty(rows_total, x2.shape[0], dtype=x2.dtype)  # y.T: row blocks are contiguous
+    xt = x2.t()
+    for r0 in range(0, rows_total, block):
+        r1 = min(rows_total, r0 + block)
+        torch.mm(_dequant_rows(qw, r0, r1, x2.dtype), xt, out=yt[r0:r1])
+    return yt[:n].t().contiguous()
 
 
 # ------------------------------------------------------------------------------------------- qlinear
@@ -312,7 +345,7 @@ def qlinear(x: torch.Tensor, qw: QWeight, path: Literal["auto", "kernel", "dequa
     if kernel == "linear":
         w = qw.data
         y = F.linear(x2 if x2.dtype == w.dtype else x2.to(w.dtype), w)  # bf16/fp16 weights: product in their dtype
-        return y.to(x.dtype).view(*lead, n)
+        return y.to(x.dtype).reshape(*lead, n)
     if m == 0:
         return x.new_empty(*lead, n)
     if path == "dequant" or (path == "auto" and m >= DEQUANT_FROM_TOKENS.get((qw.device.type, qw.precision), 1 << 62)):
@@ -320,16 +353,10 @@ def qlinear(x: torch.Tensor, qw: QWeight, path: Literal["auto", "kernel", "dequa
     if kernel != "dequant":
         try:
             y = _run_kernel(kernel, x2, qw)
-            return y.to(x.dtype).view(*lead, n)
+            return y.to(x.dtype).reshape(*lead, n)
         except RuntimeError as e:  # a shape the probe did not cover; keep serving, say so once
             _warn_once(kernel, qw.shape, e)
-    if qw.precision == "int8":
-        assert qw.scales is not None
-        # Per-output-channel scales factor out of the product: scale the [T, out] result, not the weight.
-        y = F.linear(x2, qw.data.to(x2.dtype)) * qw.scales.to(x2.dtype)
-    else:
-        y = F.linear(x2, _dequant_int4(qw, x2.dtype))
-    return y.view(*lead, n)
+    return _dequant_linear(x2, qw).reshape(*lead, n)
 
 
 def _run_kernel(kernel: Kernel, x2: torch.Tensor, qw: QWeight) -> torch.Tensor:

@@ -26,7 +26,8 @@ def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys,
     name = report["study"]
     assert name.startswith("short-") and len(name) == len("short-") + 8
     assert report["trials"]["total"] == 4
-    assert {b["baseline"] for b in report["baselines"]} == {"defaults", "hf-static-like", "llama.cpp-like"}
+    # Baselines come first, in registry order, as many as the trial count has room for.
+    assert [b["baseline"] for b in report["baselines"]][:3] == ["defaults", "hf-static-like", "llama.cpp-like"]
     assert report["timing"]["engine_load_s"] > 0 and report["timing"]["reconfigure_median_s"] is not None
     assert "tuner dashboard" in captured.err and "tuner export" in captured.err  # --json: prose on stderr
 
@@ -44,7 +45,7 @@ def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys,
         trials = s.scalars(select(Trial).order_by(Trial.number)).all()
         assert [t.number for t in trials] == [0, 1, 2, 3]
         assert [t.baseline_name for t in trials[:3]] == ["defaults", "hf-static-like", "llama.cpp-like"]
-        assert all(t.is_baseline for t in trials[:3]) and not trials[3].is_baseline
+        assert all(t.is_baseline for t in trials[:3])
         assert all(t.state != "running" for t in trials)
         assert all(t.error for t in trials if t.state != "complete")  # failed, infeasible, pruned: why
         done = [t for t in trials if t.state == "complete"]
@@ -92,6 +93,7 @@ def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys,
     assert main(["run", *FAST, "--trials", "5", "--db", sqlite_url, "--study", "short", "--quiet"]) == 0
     study = optuna.load_study(study_name=name, storage=sqlite_url)
     assert len(study.trials) == 5 and {t.number: t.values for t in study.trials[:4]} == values
-    assert sum(1 for t in study.trials if t.user_attrs.get(ATTR_BASELINE)) == 3
+    names = [t.user_attrs[ATTR_BASELINE] for t in study.trials if t.user_attrs.get(ATTR_BASELINE)]
+    assert len(names) == len(set(names)) >= 4  # each baseline once; the resumed run made room for one more
     assert count(db, Trial) == 5
     db.dispose()

@@ -1,0 +1,286 @@
+"""Weight-only quantization: kernels against the dequantise-then-matmul reference, error bounds, exact bytes.
+
+The oracle for every product is ``x @ dequantize(qw).T`` in fp32. Tolerances:
+
+* fp32 weights and the ``dequant`` path compute in fp32: ``rtol=1e-5``, ``atol=1e-5 * max|ref|``.
+* The packed int8/int4 kernels and bf16/fp16 weights compute on 16-bit activations and return 16-bit
+  results: the reference uses the same rounded activations, and the result may differ by its own
+  rounding (2**-9 relative for bf16) plus accumulation order: ``rtol=2**-8``, ``atol=1e-3 * max|ref|``.
+
+Quantization error bounds (relative Frobenius error on Gaussian weights): int8 < 1%, int4 (group 128)
+< 15% (uniform step over a group's range: ~9% expected), bf16 < 0.4%, fp16 < 0.05%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.moe import quant as Q
+from engine.moe.quant import QWeight, check_group_size, dequantize, expert_nbytes, qlinear, quantize
+
+SHAPES = [(1, 64), (7, 128), (33, 256), (80, 128), (144, 64)]  # [out, in]: one row, odd, N % 64 != 0
+TOKENS = [1, 7, 64]
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _weight(n: int, k: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * k ** -0.5).to(device)
+
+
+def _x(m: int, k: int, seed: int = 1, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _group(k: int) -> int:
+    return 64 if k % 128 else 128
+
+
+def _reference(x: torch.Tensor, qw: QWeight, path: str) -> tuple[torch.Tensor, float, float]:
+    """(reference result, rtol, atol factor) for what ``qlinear(x, qw, path)`` computes."""
+    w = dequantize(qw)
+    if qw.kernel == "linear" and qw.precision != "fp32":
+        xr = x.to(qw.data.dtype).float()
+    elif qw.kernel not in ("linear", "dequant") and path != "dequant":
+        xr = x.bfloat16().float()  # packed kernels run on bf16 activations
+    else:
+        return x.float() @ w.t(), 1e-5, 1e-5
+    return xr @ w.t(), 2**-8, 1e-3
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, qw: QWeight, path: str) -> None:
+    ref, rtol, atol = _reference(x, qw, path)
+    assert y.shape == ref.shape and y.dtype == x.dtype and y.device == x.device
+    torch.testing.assert_close(y.float(), ref, rtol=rtol, atol=atol * ref.abs().max().item() + 1e-7)
+
+
+# ------------------------------------------------------------------------------------- products (CPU)
+@pytest.mark.parametrize("precision", Q.PRECISIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("m", TOKENS)
+def test_qlinear_matches_dequantized_reference(precision, shape, m):
+    n, k = shape
+    qw = quantize(_weight(n, k), precision, _group(k))
+    x = _x(m, k)
+    for path in ("kernel", "dequant", "auto"):
+        _check(qlinear(x, qw, path), x, qw, path)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cpu_uses_packed_kernels_where_the_build_has_them(precision):
+    qw = quantize(_weight(64, 256), precision, 128)
+    want = {"int8": ("_weight_int8pack_mm", "int8pack_mm"),
+            "int4": ("_weight_int4pack_mm_for_cpu", "int4pack_mm_cpu")}[precision]
+    if not hasattr(torch.ops.aten, want[0]):
+        pytest.skip(f"this torch has no {want[0]}")
+    assert qw.kernel == want[1]
+    assert Q.kernel_report()["cpu"][precision] == want[1]
+
+
+def test_bf16_activations_and_leading_dims():
+    qw = quantize(_weight(48, 128), "int4", 64)
+    x = _x(6, 128).bfloat16().view(2, 3, 128)
+    y = qlinear(x, qw)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    ref = x.float().view(6, 128) @ dequantize(qw).t()
+    torch.testing.assert_close(y.float().view(6, 48), ref, rtol=2**-7, atol=2e-3 * ref.abs().max().item())
+
+
+def test_zero_tokens():
+    for precision in Q.PRECISIONS:
+        qw = quantize(_weight(16, 64), precision, 64)
+        assert qlinear(torch.empty(0, 64), qw).shape == (0, 16)
+
+
+def test_auto_switches_to_dequant_from_the_threshold(monkeypatch):
+    qw = quantize(_weight(32, 128), "int8", 64)
+    x = _x(5, 128)
+    monkeypatch.setitem(Q.DEQUANT_FROM_TOKENS, ("cpu", "int8"), 5)
+    assert torch.equal(qlinear(x, qw, "auto"), qlinear(x, qw, "dequant"))
+    monkeypatch.setitem(Q.DEQUANT_FROM_TOKENS, ("cpu", "int8"), 6)
+    assert torch.equal(qlinear(x, qw, "auto"), qlinear(x, qw, "kernel"))
+
+
+def test_dequant_path_blocks_rows_exactly(monkeypatch):
+    """The CPU fallback dequantises in row blocks: block edges (and int4's partial last block) must not
+    change the result."""
+    monkeypatch.setattr(Q, "DEQUANT_BLOCK_BYTES", 64 * 4 * 64)  # 64 rows of 64 columns
+    for precision in ("int8", "int4"):
+        qw = quantize(_weight(150, 64), precision, 32)
+        x = _x(9, 64)
+        torch.testing.assert_close(qlinear(x, qw, "dequant"), x @ dequantize(qw).t(), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------- quantization error
+@pytest.mark.parametrize("precision,bound", [("fp32", 0.0), ("fp16", 5e-4), ("bf16", 4e-3), ("int8", 0.01),
+                                             ("int4", 0.15)])
+def test_quantization_error_within_bound(precision, bound):
+    w = _weight(256, 1024)
+    rel = ((dequantize(quantize(w, precision, 128)) - w).norm() / w.norm()).item()
+    assert rel <= bound, f"{precision}: relative error {rel:.4f} > {bound}"
+
+
+def test_int4_error_shrinks_with_group_size():
+    w = _weight(64, 1024)
+    errs = [((dequantize(quantize(w, "int4", g)) - w).norm() / w.norm()).item() for g in (256, 128, 64, 32)]
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 0.1
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_degenerate_rows(precision):
+    w = _weight(32, 128)
+    w[0] = 0
+    w[1] = 0.25  # constant row: zero range in every group
+    w[2, :64] = 1e-30
+    d = dequantize(quantize(w, precision, 64))
+    assert torch.isfinite(d).all()
+    assert torch.equal(d[0], torch.zeros(128))
+    torch.testing.assert_close(d[1], torch.full((128,), 0.25), rtol=2**-8, atol=0)
+
+
+def test_scales_exact_in_bf16():
+    """Stored scales are what the kernels read, so ``dequantize`` is the kernels' own weight."""
+    for precision in ("int8", "int4"):
+        qw = quantize(_weight(16, 128), precision, 64)
+        assert qw.scales is not None and qw.scales.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------- bytes
+@pytest.mark.parametrize("precision", Q.PRECISIONS)
+@pytest.mark.parametrize("shape", SHAPES + [(768, 1024), (1024, 384)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nbytes_exact(precision, shape):
+    n, k = shape
+    g = _group(k)
+    qw = quantize(_weight(n, k), precision, g)
+    n_pad = -(-n // 16) * 16
+    want = {"fp32": 4 * n * k, "bf16": 2 * n * k, "fp16": 2 * n * k, "int8": n * k + 2 * n,
+            "int4": n_pad * k // 2 + (k // g) * n_pad * 4}[precision]
+    assert qw.nbytes() == want == Q.qweight_nbytes(n, k, precision, g)
+    assert qw.nbytes() == sum(t.numel() * t.element_size() for t in (qw.data, qw.scales) if t is not None)
+
+
+@pytest.mark.parametrize("precision", Q.PRECISIONS)
+@pytest.mark.parametrize("hidden,inter,group", [(1024, 384, 128), (256, 96, 32), (64, 48, 16)])
+def test_expert_nbytes_equals_real_weights(precision, hidden, inter, group):
+    w13, w2 = _weight(2 * inter, hidden), _weight(hidden, inter, seed=1)
+    real = quantize(w13, precision, group).nbytes() + quantize(w2, precision, group).nbytes()
+    assert expert_nbytes(hidden, inter, precision, group) == real
+
+
+def test_medium_expert_bytes():
+    assert expert_nbytes(1024, 384, "fp32") == 4_718_592
+    assert expert_nbytes(1024, 384, "int8") == 3 * 1024 * 384 + 2 * (768 + 1024)
+    assert expert_nbytes(1024, 384, "int4", 128) == 3 * 1024 * 384 // 2 + 4 * (8 * 768 + 3 * 1024)
+
+
+# ------------------------------------------------------------------------------------- validation
+def test_bad_group_size_is_a_one_line_error():
+    with pytest.raises(ValueError) as e:
+        check_group_size(1024, 96, "hidden_size")
+    assert str(e.value) == "int4 group_size=96 does not divide hidden_size=1024"
+    with pytest.raises(ValueError, match=r"^int4 group_size=256 does not divide expert_intermediate=384$"):
+        expert_nbytes(1024, 384, "int4", 256)
+    with pytest.raises(ValueError, match=r"group_size=0 must be positive"):
+        check_group_size(1024, 0, "hidden_size")
+    with pytest.raises(ValueError, match=r"^int4 group_size=64 does not divide in_features=100$"):
+        quantize(_weight(8, 100), "int4", 64)
+    with pytest.raises(ValueError, match="precision='int2'"):
+        quantize(_weight(8, 64), "int2", 64)  # type: ignore[arg-type]
+    check_group_size(1024, 128, "hidden_size")  # fine
+
+
+def test_other_widths_fall_back_to_dequant():
+    """int8 with in % 16 != 0 (the CPU kernel crashes there) and int4 with a group size the kernels do not
+    take run the pure-PyTorch path and stay correct."""
+    q8 = quantize(_weight(5, 40), "int8")
+    assert q8.kernel == "dequant"
+    q4 = quantize(_weight(20, 64), "int4", 16)
+    assert (q4.layout, q4.kernel) == ("int4_plain", "dequant")
+    for qw, k in ((q8, 40), (q4, 64)):
+        x = _x(3, k)
+        _check(qlinear(x, qw), x, qw, "auto")
+
+
+# --------------------------------------------------------------------------------- layouts, moves
+@pytest.mark.parametrize("n", [1, 16, 48, 64, 80, 144, 784])
+def test_int4_cpu_layout_decoding(n):
+    if not Q._int4_kernel_ok("cpu"):
+        pytest.skip("no CPU int4 kernel")
+    assert Q._cpu_layout_decoder_ok()
+    qw = quantize(_weight(n, 128), "int4", 64)
+    assert qw.layout == "int4_cpu"
+    plain = Q._relayout_int4(qw, "int4_plain")
+    values = Q._int4_values(plain)
+    assert torch.equal(Q._int4_values(qw), values)
+    assert torch.equal(Q._decode_with_kernel(qw), values)  # the path used where the layout is unknown
+    assert torch.equal(Q._relayout_int4(plain, "int4_cpu").data, qw.data)
+    assert torch.equal(dequantize(plain), dequantize(qw))
+    x = _x(7, 128)
+    _check(qlinear(x, plain), x, plain, "auto")
+
+
+@pytest.mark.parametrize("precision", Q.PRECISIONS)
+def test_state_dict_round_trip(precision):
+    qw = quantize(_weight(40, 128), precision, 64)
+    meta, tensors = qw.state_dict()
+    json.dumps(meta)  # plain metadata: scheme and group size are fields, never parsed from names
+    assert meta["precision"] == precision and meta["group_size"] == (64 if precision == "int4" else None)
+    back = QWeight.from_state_dict(json.loads(json.dumps(meta)), tensors)
+    assert (back.layout, back.kernel, back.shape) == (qw.layout, qw.kernel, qw.shape)
+    assert torch.equal(dequantize(back), dequantize(qw))
+    assert back.nbytes() == qw.nbytes()
+
+
+def test_to_same_device_and_pin_without_accelerator():
+    qw = quantize(_weight(16, 64), "int4", 32)
+    assert qw.to("cpu") is qw
+    if not torch.cuda.is_available():
+        assert qw.pin() is qw and not qw.is_pinned
+
+
+# ------------------------------------------------------------------------------------------- CUDA
+@CUDA
+@pytest.mark.parametrize("precision", Q.PRECISIONS)
+@pytest.mark.parametrize("shape", [(1, 128), (33, 256), (768, 1024), (1024, 384)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_cuda_qlinear_matches_reference(precision, shape, m):
+    n, k = shape
+    host = quantize(_weight(n, k), precision, 128 if k % 128 == 0 else 64).pin()
+    qw = host.to("cuda")
+    assert qw.device.type == "cuda" and qw.nbytes() == host.nbytes()
+    torch.testing.assert_close(dequantize(qw).cpu(), dequantize(host), rtol=0, atol=0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x(m, k, device="cuda").to(dtype)
+        for path in ("kernel", "dequant"):
+            y = qlinear(x, qw, path)
+            ref, _, _ = _reference(x.float(), qw, path)
+            tol = 2e-2 if dtype == torch.bfloat16 or precision in ("bf16", "fp16", "int8", "int4") else 1e-4
+            assert y.shape == (m, n) and y.dtype == dtype
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@CUDA
+def test_cuda_kernels_chosen():
+    report = Q.kernel_report()["cuda"]
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability() >= (8, 0):
+        assert report["int4"] == "int4pack_mm_tinygemm"
+    print("cuda kernels:", report)
+
+
+@CUDA
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_cuda_round_trip_and_quantize_on_device(precision):
+    w = _weight(80, 256)
+    host = quantize(w, precision, 64)
+    dev = host.to("cuda")
+    back = dev.to("cpu")
+    assert back.layout == host.layout and torch.equal(back.data, host.data)
+    assert torch.equal(back.scales, host.scales)
+    on_dev = quantize(w.cuda(), precision, 64)
+    torch.testing.assert_close(dequantize(on_dev).cpu(), dequantize(host), rtol=1e-6, atol=1e-6)
+    meta, tensors = host.state_dict()
+    loaded = QWeight.from_state_dict(meta, tensors, "cuda")
+    assert loaded.layout == dev.layout and torch.equal(dequantize(loaded), dequantize(dev))
