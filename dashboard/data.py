@@ -522,6 +522,7 @@ def requests_over_time(url: str, trial_id: int, buckets: int = 60) -> pd.DataFra
     counts = request_counts(url, trial_id)
     if counts["total"] == 0:
         return pd.DataFrame(columns=["t_s", "width_s", "requests", "met", "missed"])
+    buckets = min(buckets, max(5, counts["total"] // 3))  # a few requests per bucket at least
     width = max(counts["last_arrival_s"] / buckets, 1e-3)
     bucket = _floor(url, RequestRow.arrival_s / width).label("bucket")
     stmt = (
@@ -607,7 +608,7 @@ def workloads_overview(url: str) -> pd.DataFrame:
     )
     stmt = (
         select(Workload.id, Workload.name, Workload.source, Workload.fingerprint, Workload.n_requests,
-               Workload.duration_s, Workload.meta, Workload.created_at,
+               Workload.duration_s, Workload.meta.label("meta"), Workload.created_at,
                func.count(Study.id).label("studies"),
                func.coalesce(func.sum(per_study.c.complete), 0).label("complete_trials"))
         .outerjoin(Study, Study.workload_id == Workload.id)
@@ -699,7 +700,8 @@ def workload_file(source: str | None, arrival_buckets: int = 60, bins: int = 40)
     except (WorkloadError, OSError, ValueError) as e:
         return {"message": f"workload file {source!r} is not readable here: {' '.join(str(e).split())[:200]}"}
     arrivals = np.asarray(w.arrivals_s, dtype=float)
-    width = max(float(arrivals.max(initial=0.0)) / arrival_buckets, 1e-3)
+    buckets = min(arrival_buckets, max(5, len(arrivals) // 3))  # a few requests per bucket at least
+    width = max(float(arrivals.max(initial=0.0)) / buckets, 1e-3)
     counts = np.bincount((arrivals / width).astype(int))
     out: dict[str, Any] = {
         "name": w.name,

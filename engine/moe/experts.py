@@ -364,9 +364,11 @@ class HybridExperts:
 
     def _run(self, v: ExpertVersion, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU expert on version ``v``; x on v's device in the compute dtype."""
-        gu = v.linear13(x)  # [n, 2I]
+        want = _FLOAT.get(v.precision)
+        xin = x if want is None or want == x.dtype else x.to(want)  # a float copy in another precision
+        gu = v.linear13(xin)  # [n, 2I]
         inter = gu.shape[-1] // 2
-        return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:])  # [n, H]
+        return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)  # [n, H]
 
     def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Experts of one MoE layer for a step. h [T, H]; weights/ids [T, K] (id -1 = skipped slot)."""

@@ -1,0 +1,129 @@
+"""Study: optimisation history, Pareto front, parameter importance, parallel coordinates, SLO
+attainment and a sortable, filterable table of trials."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, data, ui
+from tuner.metrics import pareto_ranks
+from tuner.slo import parse_slo
+
+url = ui.require_database()
+st.title("Study")
+info = ui.pick_study(url)
+st.markdown(ui.study_caption(info))
+objectives = tuple(info["objectives"])
+directions = info["directions"]
+running_now = data.state_counts(url, info["id"])["running"]
+
+
+@st.fragment(run_every=ui.LIVE_REFRESH_S if running_now else None)
+def progress() -> None:
+    counts = data.state_counts(url, info["id"])
+    cols = st.columns(6)
+    for col, key in zip(cols, ("total", "complete", "running", "failed", "pruned", "infeasible"), strict=True):
+        col.metric(key if key != "total" else "trials", counts[key])
+    points = data.objective_points(url, info["id"], objectives)
+    best = ui.best_number(points, directions[0])
+    if best is None:
+        st.info("No finished trial yet: charts appear when the first trial completes."
+                + (f" {counts['running']} trial(s) running; this view refreshes every {ui.LIVE_REFRESH_S} s."
+                   if counts["running"] else ""))
+        return
+    row = points[points["number"] == best].iloc[0]
+    verdict = "meets the SLO" if row["feasible"] else "**no trial met the SLO**; the closest is"
+    values = ", ".join(f"{charts.label(o)} {ui.fmt(row[f'obj_{i}'])}" for i, o in enumerate(objectives))
+    st.markdown(f"Best: {verdict} trial {best}" + (f" [{row['baseline_name']}]" if row["is_baseline"] else "")
+                + f": {values}")
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        ui.link("trial", f"Open trial {best}", study=info["name"], trial=best)
+    with c2:
+        ui.link("export", "Export its config", study=info["name"], trial=best)
+    with c3:
+        ui.link("compare", "Compare with the baselines", study=info["name"],
+                trials=[str(n) for n in [best, *points[points["is_baseline"]]["number"].head(3)] if n is not None])
+    if counts["running"]:
+        st.caption(f":green[●] {counts['running']} trial(s) running; refreshing every {ui.LIVE_REFRESH_S} s.")
+    st.plotly_chart(charts.history(points, objectives[0], directions[0]), key="history")
+
+
+progress()
+
+points = data.objective_points(url, info["id"], objectives)
+complete = points[(points["state"] == "complete") & points["obj_0"].notna()]
+if not complete.empty:
+    left, right = st.columns(2)
+    with left:
+        if len(objectives) >= 2:
+            done = complete.dropna(subset=["obj_1"])
+            feasible = done[done["feasible"]]
+            ranks = pareto_ranks(feasible[["obj_0", "obj_1"]].to_numpy().tolist(), directions[:2]) if len(feasible) else []
+            front = [int(n) for n, r in zip(feasible["number"], ranks, strict=True) if r == 0]
+            st.plotly_chart(charts.pareto(points, objectives, directions, front), key="pareto")
+            if len(objectives) > 2:
+                st.caption(f"The front is drawn over the first two of {len(objectives)} objectives.")
+        else:
+            st.plotly_chart(charts.goodput_vs_throughput(points), key="scatter")
+    with right:
+        target = parse_slo(data=info["slo"] or {}).attainment_target
+        st.plotly_chart(charts.attainment(points, target), key="attainment")
+
+    left, right = st.columns(2)
+    with left:
+        imp = data.param_importance(url, info["optuna_study_name"], 0, directions[0])
+        if "importances" in imp and imp["importances"]:
+            st.plotly_chart(charts.importance(imp["importances"], objectives[0]), key="importance")
+            st.caption(f"PED-ANOVA over {imp['n_trials']} complete trials (Optuna); "
+                       "how much each knob decides whether a trial lands among the best.")
+        else:
+            st.subheader("Parameter importance")
+            st.info(imp.get("message") or "No knob varied between complete trials.")
+    with right:
+        configs = data.top_configs(url, info["id"], objectives[0], directions[0])
+        flat = pd.DataFrame([ui.flatten(c) for c in configs["config"]])
+        knobs = [k for k in flat.columns if flat[k].astype(str).nunique() > 1]
+        if len(configs) >= 2 and knobs:
+            st.plotly_chart(charts.parallel_coordinates(pd.concat([flat, configs[["value"]]], axis=1), knobs,
+                                                        objectives[0]), key="parcoords")
+            st.caption(f"The {len(configs)} best complete trials by {objectives[0]}, over the {len(knobs)} knobs "
+                       "that differ between them.")
+        else:
+            st.subheader("Parallel coordinates")
+            st.info("Needs at least two complete trials with different knob values.")
+
+st.subheader("Trials")
+f1, f2, f3, f4, f5 = st.columns([3, 2, 2, 1, 1])
+states = f1.multiselect("State", data.STATES, default=[], placeholder="every state")
+kind = f2.selectbox("Show", ["all", "baselines", "searched", "feasible", "infeasible"],
+                    help="feasible: complete and met the SLO; infeasible: complete but missed it")
+sort_by = f3.selectbox("Sort by", data.SORTABLE, index=data.SORTABLE.index(objectives[0])
+                       if objectives[0] in data.SORTABLE else 0)
+descending = f4.toggle("Descending", value=sort_by != "number" and data.TRIAL_METRICS.get(sort_by) is not None
+                       and directions[0] == "maximize")
+page_size = 200
+table, total = data.trials_table(url, info["id"], tuple(states), kind, sort_by, descending, limit=page_size,
+                                 offset=0)
+pages = max(1, -(-total // page_size))
+page = f5.number_input("Page", min_value=1, max_value=pages, value=1, step=1)
+if page > 1:
+    table, total = data.trials_table(url, info["id"], tuple(states), kind, sort_by, descending, limit=page_size,
+                                     offset=(page - 1) * page_size)
+table = table.assign(open=[ui.page_url("trial", study=info["name"], trial=int(n)) for n in table["number"]])
+st.dataframe(
+    table,
+    hide_index=True,
+    column_order=["open", "state", "baseline", "meets_slo", *data.TABLE_METRICS, "config_hash", "error"],
+    column_config={
+        "open": st.column_config.LinkColumn("trial", display_text=r"trial=(\d+)$"),
+        "meets_slo": st.column_config.CheckboxColumn("meets SLO"),
+        "slo_attainment": st.column_config.ProgressColumn("SLO attainment", format="percent", min_value=0,
+                                                          max_value=1),
+        "peak_rss_bytes": st.column_config.NumberColumn("peak RSS", format="bytes"),
+        **{m: st.column_config.NumberColumn(m, format="%.4g") for m in data.TABLE_METRICS
+           if m not in ("slo_attainment", "peak_rss_bytes")},
+    },
+)
+st.caption(f"{total} trial(s) match; showing {len(table)} (page {page} of {pages}), sorted in the database.")

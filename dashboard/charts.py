@@ -1,0 +1,321 @@
+"""Plotly figures of the dashboard: pure functions from the data module's frames to figures.
+
+Every figure carries a title (tests find charts by it). Colours keep one meaning everywhere:
+feasible (met the SLO) green, infeasible red, baselines drawn as diamonds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+MET = "#2ca02c"
+MISSED = "#d62728"
+BASELINE = "#7f7f7f"
+PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+LABELS = {
+    "goodput_rps": "goodput (req/s)",
+    "goodput_tokens_per_s": "goodput (tok/s)",
+    "slo_attainment": "SLO attainment",
+    "output_tokens_per_s": "throughput (output tok/s)",
+    "requests_per_s": "requests/s",
+    "capacity_rps": "capacity (req/s)",
+    "quality_top1_agreement": "top-1 agreement",
+    "quality_mean_kl": "mean KL",
+    "peak_rss_bytes": "peak RSS (bytes)",
+    "ttft_ms": "TTFT (ms)",
+    "tpot_ms": "TPOT (ms)",
+    "e2e_ms": "E2E latency (ms)",
+}
+
+
+def label(name: str) -> str:
+    """A readable axis label for a metric name."""
+    if name in LABELS:
+        return LABELS[name]
+    for m in ("ttft", "tpot", "e2e", "itl"):
+        for q in (50, 90, 99):
+            if name == f"{m}_p{q}_ms":
+                return f"{m.upper()} p{q} (ms)"
+    return name
+
+
+def _layout(fig: go.Figure, title: str, height: int = 360, **kw: Any) -> go.Figure:
+    kw.setdefault("margin", {"l": 10, "r": 10, "t": 50, "b": 10})
+    fig.update_layout(title={"text": title}, height=height,
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0}, **kw)
+    return fig
+
+
+def _trial_text(df: pd.DataFrame) -> list[str]:
+    return [f"trial {n}" + (f" [{b}]" if isinstance(b, str) and b else "")
+            for n, b in zip(df["number"], df["baseline_name"], strict=True)]
+
+
+def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, dict[str, Any]]]:
+    """Complete trials split into the three marker groups every study chart uses."""
+    searched = df[~df["is_baseline"]]
+    return [
+        ("meets SLO", searched[searched["feasible"]], {"color": MET, "symbol": "circle"}),
+        ("misses SLO", searched[~searched["feasible"]], {"color": MISSED, "symbol": "x"}),
+        ("baseline", df[df["is_baseline"]], {"color": BASELINE, "symbol": "diamond", "size": 11,
+                                             "line": {"width": 1, "color": "black"}}),
+    ]
+
+
+def history(points: pd.DataFrame, objective: str, direction: str) -> go.Figure:
+    """Each complete trial's objective by trial number, and the best feasible value so far."""
+    done = points[points["state"] == "complete"].dropna(subset=["obj_0"])
+    fig = go.Figure()
+    for name, g, marker in _groups(done):
+        if len(g):
+            fig.add_trace(go.Scatter(x=g["number"], y=g["obj_0"], mode="markers", name=name, marker=marker,
+                                     text=_trial_text(g), hovertemplate="%{text}<br>%{y:.4g}<extra></extra>"))
+    feasible = done[done["feasible"]].sort_values("number")
+    if len(feasible):
+        best = feasible["obj_0"].cummax() if direction == "maximize" else feasible["obj_0"].cummin()
+        fig.add_trace(go.Scatter(x=feasible["number"], y=best, mode="lines", name="best so far (meets SLO)",
+                                 line={"shape": "hv", "color": MET}))
+    fig.update_xaxes(title="trial")
+    fig.update_yaxes(title=label(objective))
+    return _layout(fig, f"Optimisation history: {label(objective)} ({direction})")
+
+
+def pareto(points: pd.DataFrame, objectives: Sequence[str], directions: Sequence[str],
+           front: Sequence[int]) -> go.Figure:
+    """The first two objectives of every complete trial; the feasible Pareto front joined up."""
+    done = points[points["state"] == "complete"].dropna(subset=["obj_0", "obj_1"])
+    fig = go.Figure()
+    for name, g, marker in _groups(done):
+        if len(g):
+            fig.add_trace(go.Scatter(x=g["obj_0"], y=g["obj_1"], mode="markers", name=name, marker=marker,
+                                     text=_trial_text(g),
+                                     hovertemplate="%{text}<br>%{x:.4g}, %{y:.4g}<extra></extra>"))
+    on_front = done[done["number"].isin(front)].sort_values("obj_0")
+    if len(on_front):
+        fig.add_trace(go.Scatter(x=on_front["obj_0"], y=on_front["obj_1"], mode="lines+markers",
+                                 name="Pareto front (meets SLO)",
+                                 line={"color": MET, "dash": "dot"}, marker={"color": MET, "size": 13,
+                                                                               "symbol": "circle-open"}))
+    fig.update_xaxes(title=f"{label(objectives[0])} ({directions[0]})")
+    fig.update_yaxes(title=f"{label(objectives[1])} ({directions[1]})")
+    return _layout(fig, "Pareto front", height=420)
+
+
+def goodput_vs_throughput(points: pd.DataFrame) -> go.Figure:
+    """Goodput against throughput for every complete trial (single-objective studies)."""
+    done = points[points["state"] == "complete"].dropna(subset=["goodput_rps", "output_tokens_per_s"])
+    fig = go.Figure()
+    for name, g, marker in _groups(done):
+        if len(g):
+            fig.add_trace(go.Scatter(x=g["output_tokens_per_s"], y=g["goodput_rps"], mode="markers", name=name,
+                                     marker=marker, text=_trial_text(g),
+                                     hovertemplate="%{text}<br>%{x:.4g} tok/s, %{y:.4g} req/s<extra></extra>"))
+    fig.update_xaxes(title=label("output_tokens_per_s"))
+    fig.update_yaxes(title=label("goodput_rps"))
+    return _layout(fig, "Goodput vs throughput", height=420)
+
+
+def importance(importances: Mapping[str, float], objective: str) -> go.Figure:
+    """Horizontal bars of parameter importance, most important on top."""
+    items = sorted(importances.items(), key=lambda kv: kv[1])
+    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h",
+                           marker={"color": PALETTE[0]}))
+    fig.update_xaxes(title="importance (share)")
+    return _layout(fig, f"Parameter importance for {label(objective)}", height=max(260, 26 * len(items) + 80))
+
+
+def parallel_coordinates(configs: pd.DataFrame, knobs: Sequence[str], objective: str) -> go.Figure:
+    """One line per trial across the knobs that vary, coloured by the objective."""
+    dims = []
+    for knob in knobs:
+        values = configs[knob]
+        numeric = pd.to_numeric(values, errors="coerce")
+        if numeric.notna().all() and not values.map(lambda v: isinstance(v, bool)).any():
+            dims.append({"label": knob.split(".", 1)[-1], "values": numeric.astype(float).tolist()})
+        else:
+            cats = sorted({str(v) for v in values})
+            code = {c: i for i, c in enumerate(cats)}
+            dims.append({"label": knob.split(".", 1)[-1], "values": [code[str(v)] for v in values],
+                         "tickvals": list(range(len(cats))), "ticktext": cats})
+    dims.append({"label": label(objective), "values": configs["value"].astype(float).tolist()})
+    fig = go.Figure(go.Parcoords(line={"color": configs["value"].astype(float).tolist(), "colorscale": "Viridis",
+                                       "showscale": True}, dimensions=dims))
+    return _layout(fig, "Parallel coordinates over the knobs", height=440, margin={"l": 60, "r": 60, "t": 90, "b": 30})
+
+
+def attainment(points: pd.DataFrame, target: float | None) -> go.Figure:
+    """SLO attainment of each complete trial; bars green when the trial met the whole SLO."""
+    done = points[points["state"] == "complete"].dropna(subset=["slo_attainment"])
+    colours = [MET if f else MISSED for f in done["feasible"]]
+    fig = go.Figure(go.Bar(x=done["number"], y=done["slo_attainment"], marker={"color": colours},
+                           text=_trial_text(done), hovertemplate="%{text}<br>%{y:.1%}<extra></extra>",
+                           name="attainment"))
+    if target is not None:
+        fig.add_hline(y=target, line={"dash": "dash", "color": "black"}, annotation_text=f"target {target:.0%}")
+    fig.update_xaxes(title="trial", type="category")
+    fig.update_yaxes(title="share of requests meeting the SLO", range=[0, 1.05], tickformat=".0%")
+    return _layout(fig, "SLO attainment per trial")
+
+
+def cdfs(curves: Mapping[str, pd.DataFrame], metric: str, limit_ms: float | None = None) -> go.Figure:
+    """Empirical CDFs (one line per entry of ``curves``) of a per-request latency."""
+    fig = go.Figure()
+    for i, (name, df) in enumerate(curves.items()):
+        if len(df):
+            fig.add_trace(go.Scatter(x=df["value"], y=df["fraction"], mode="lines", name=name,
+                                     line={"shape": "hv", "color": PALETTE[i % len(PALETTE)]}))
+    if limit_ms is not None:
+        fig.add_vline(x=limit_ms, line={"dash": "dash", "color": MISSED}, annotation_text=f"SLO {limit_ms:g} ms")
+    fig.update_xaxes(title=label(metric))
+    fig.update_yaxes(title="share of requests", range=[0, 1.02], tickformat=".0%")
+    return _layout(fig, f"{label(metric).split(' (')[0]} CDF", height=320)
+
+
+def requests_scatter(requests: pd.DataFrame, metric: str, limit_ms: float | None = None) -> go.Figure:
+    """Each request at its arrival time against its latency, met or missed."""
+    fig = go.Figure()
+    groups = (("met SLO", requests["met_slo"] == True, MET),  # noqa: E712 - None means not judged
+              ("missed SLO", requests["met_slo"] == False, MISSED),  # noqa: E712
+              ("not judged", requests["met_slo"].isna(), BASELINE))
+    for name, mask, colour in groups:
+        g = requests[mask]
+        if len(g):
+            fig.add_trace(go.Scatter(x=g["arrival_s"], y=g[metric], mode="markers", name=name,
+                                     marker={"color": colour, "size": 7}, text=g["request_id"],
+                                     hovertemplate="%{text}<br>arrived %{x:.3f} s<br>%{y:.1f} ms<extra></extra>"))
+    if limit_ms is not None:
+        fig.add_hline(y=limit_ms, line={"dash": "dash", "color": MISSED}, annotation_text=f"SLO {limit_ms:g} ms")
+    fig.update_xaxes(title="arrival (s from start)")
+    fig.update_yaxes(title=label(metric))
+    return _layout(fig, "Requests over time")
+
+
+def requests_buckets(buckets: pd.DataFrame) -> go.Figure:
+    """Requests arriving per time bucket, stacked met and missed."""
+    fig = go.Figure()
+    unjudged = buckets["requests"] - buckets["met"] - buckets["missed"]
+    for name, y, colour in (("met SLO", buckets["met"], MET), ("missed SLO", buckets["missed"], MISSED),
+                            ("not judged", unjudged, BASELINE)):
+        if y.sum() > 0:
+            fig.add_trace(go.Bar(x=buckets["t_s"], y=y, width=buckets["width_s"], offset=0, name=name,
+                                 marker={"color": colour}))
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title="arrival (s from start)")
+    fig.update_yaxes(title="requests")
+    return _layout(fig, "Arrivals per time bucket, met and missed", height=300)
+
+
+def steps(timeline: pd.DataFrame) -> go.Figure:
+    """Batch size, tokens and step time along the run (three stacked panels)."""
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("batch (sequences)", "tokens per step", "step time (ms)"))
+    x = timeline["start_s"]
+    fig.add_trace(go.Scatter(x=x, y=timeline["batch_seqs"], mode="lines", line={"shape": "hv"}, name="batch"),
+                  row=1, col=1)
+    fig.add_trace(go.Bar(x=x, y=timeline["prefill_tokens"], name="prefill tokens", marker={"color": PALETTE[1]}),
+                  row=2, col=1)
+    fig.add_trace(go.Bar(x=x, y=timeline["decode_tokens"], name="decode tokens", marker={"color": PALETTE[0]}),
+                  row=2, col=1)
+    fig.add_trace(go.Scatter(x=x, y=timeline["duration_ms"], mode="lines+markers", name="step time",
+                             marker={"size": 4}), row=3, col=1)
+    if (timeline["steps"] > 1).any():
+        fig.add_trace(go.Scatter(x=x, y=timeline["duration_max_ms"], mode="lines", name="slowest step in bucket",
+                                 line={"dash": "dot"}), row=3, col=1)
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title="time (s from start)", row=3, col=1)
+    return _layout(fig, "Step timeline", height=560)
+
+
+def telemetry(readings: pd.DataFrame) -> go.Figure:
+    """CPU and GPU utilisation, and memory, along the run."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=("utilisation (%)", "memory (GiB)"))
+    x = readings["t_s"]
+    fig.add_trace(go.Scatter(x=x, y=readings["cpu_percent"], mode="lines+markers", name="CPU %"), row=1, col=1)
+    if readings["gpu_util_percent"].notna().any():
+        fig.add_trace(go.Scatter(x=x, y=readings["gpu_util_percent"], mode="lines+markers", name="GPU %"),
+                      row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=readings["rss_bytes"].astype(float) / 2**30, mode="lines+markers",
+                             name="process RSS"), row=2, col=1)
+    if readings["gpu_mem_bytes"].notna().any():
+        fig.add_trace(go.Scatter(x=x, y=pd.to_numeric(readings["gpu_mem_bytes"]) / 2**30, mode="lines+markers",
+                                 name="GPU memory"), row=2, col=1)
+    fig.update_xaxes(title="time (s from start)", row=2, col=1)
+    return _layout(fig, "Telemetry", height=420)
+
+
+def expert_heatmap(stats: pd.DataFrame, field: str) -> go.Figure:
+    """One MoE layer per row, one expert per column: tokens, residency, precision or replicas."""
+    grid = stats.pivot(index="layer", columns="expert", values=field).sort_index()
+    layers = [str(v) for v in grid.index]
+    experts = [str(v) for v in grid.columns]
+    if field == "precision":
+        cats = sorted({str(v) for v in stats["precision"] if v is not None})
+        code = {c: i for i, c in enumerate(cats)}
+        z = grid.map(lambda v: code.get(str(v), np.nan)).to_numpy(dtype=float)
+        colorbar = {"tickvals": list(range(len(cats))), "ticktext": [c or "(none)" for c in cats]}
+        text = grid.astype(str).to_numpy()
+    elif field == "resident":
+        z = grid.astype(float).to_numpy()
+        colorbar = {"tickvals": [0, 1], "ticktext": ["host", "resident"]}
+        text = np.where(z > 0.5, "resident", "host")
+    else:
+        z = grid.astype(float).to_numpy()
+        colorbar = {}
+        text = grid.to_numpy()
+    titles = {"tokens": "Tokens routed", "resident": "Resident in the fast tier", "precision": "Precision",
+              "replicas": "Replicas"}
+    fig = go.Figure(go.Heatmap(z=z, x=experts, y=layers, colorscale="Viridis", colorbar=colorbar, text=text,
+                               hovertemplate="layer %{y}, expert %{x}: %{text}<extra></extra>"))
+    fig.update_xaxes(title="expert")
+    fig.update_yaxes(title="layer", autorange="reversed")
+    return _layout(fig, f"{titles.get(field, field)} per layer and expert", height=max(240, 22 * len(layers) + 120))
+
+
+def arrival_rate(arrivals: pd.DataFrame) -> go.Figure:
+    """Arrival rate (requests per second) per time bucket."""
+    width = float(arrivals["t_s"].iloc[1] - arrivals["t_s"].iloc[0]) if len(arrivals) > 1 else 1.0
+    fig = go.Figure(go.Bar(x=arrivals["t_s"], y=arrivals["rate_per_s"], width=width, offset=0,
+                           marker={"color": PALETTE[0]}, customdata=arrivals["requests"],
+                           hovertemplate="%{x:.2f} s: %{y:.2f} req/s (%{customdata} requests)<extra></extra>"))
+    fig.update_xaxes(title="time (s from start)")
+    fig.update_yaxes(title="arrival rate (req/s)")
+    return _layout(fig, "Arrival rate over time", height=320)
+
+
+def length_histogram(hist: pd.DataFrame, what: str) -> go.Figure:
+    """Requests per length bin."""
+    fig = go.Figure(go.Bar(x=hist["lo"], y=hist["requests"], width=hist["width"], offset=0,
+                           marker={"color": PALETTE[1] if what.startswith("output") else PALETTE[0]}))
+    fig.update_xaxes(title=f"{what.replace('_', ' ')}")
+    fig.update_yaxes(title="requests")
+    return _layout(fig, f"{what.split('_')[0].capitalize()} length distribution", height=300)
+
+
+def popularity(shares: pd.DataFrame, title: str) -> go.Figure:
+    """Share of each layer's routed tokens per expert (layer x expert heatmap)."""
+    grid = shares.pivot(index="layer", columns="expert", values="share").sort_index()
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(dtype=float), x=[str(v) for v in grid.columns],
+                               y=[str(v) for v in grid.index], colorscale="Viridis",
+                               hovertemplate="layer %{y}, expert %{x}: %{z:.1%}<extra></extra>"))
+    fig.update_xaxes(title="expert")
+    fig.update_yaxes(title="layer", autorange="reversed")
+    return _layout(fig, title, height=max(240, 22 * len(grid) + 120))
+
+
+def drift(drift_tv: pd.DataFrame, window_tokens: int) -> go.Figure:
+    """Per layer, total-variation distance of expert shares between consecutive token windows."""
+    fig = go.Figure()
+    for i, (layer, g) in enumerate(drift_tv.groupby("layer")):
+        fig.add_trace(go.Scatter(x=g["window"], y=g["drift_tv"], mode="lines+markers", name=f"layer {layer}",
+                                 line={"color": PALETTE[i % len(PALETTE)]}))
+    fig.update_xaxes(title=f"window ({window_tokens} tokens each)")
+    fig.update_yaxes(title="TV distance to the previous window", rangemode="tozero")
+    return _layout(fig, "Expert popularity drift", height=320)

@@ -1,0 +1,148 @@
+"""What the pages share: the database check, study and trial pickers bound to the URL, links
+and number formatting. Queries stay in :mod:`dashboard.data`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data
+
+#: Page scripts, relative to ``dashboard/app.py`` (``st.Page`` and ``st.page_link`` take these).
+PAGES = {
+    "studies": "app_pages/studies.py",
+    "study": "app_pages/study.py",
+    "trial": "app_pages/trial.py",
+    "compare": "app_pages/compare.py",
+    "workloads": "app_pages/workloads.py",
+    "export": "app_pages/export.py",
+}
+LIVE_REFRESH_S = 10
+"""How often a view of a running study re-reads the database."""
+
+POINT_AT_DB = (
+    "Point the dashboard at a results database with `tuner dashboard --db URL`, or "
+    "`MOETUNE_DB=URL streamlit run dashboard/app.py` (default: `sqlite:///moetune.db` in the working "
+    "directory; PostgreSQL URLs work too)."
+)
+START_A_STUDY = (
+    "Run a short study to fill it, for example `tuner run --trials 12` (a minute on a laptop CPU with "
+    "the built-in model and workload), then reload this page. Studies that are still running show up "
+    "as soon as their first trial starts."
+)
+
+
+def require_database() -> str:
+    """The URL of a readable database holding at least one study; otherwise explain and stop."""
+    url = data.db_url()
+    status = data.database_status(url)
+    if status["state"] == "error":
+        st.error(f"Cannot open the results database: {status['message']}")
+        st.markdown(POINT_AT_DB)
+        st.stop()
+    if status["state"] == "empty":
+        st.info(f"No studies yet: {status['message']}")
+        st.markdown(START_A_STUDY)
+        st.stop()
+    return url
+
+
+def pick_study(url: str) -> dict[str, Any]:
+    """A study chosen in a select box bound to ``?study=NAME`` (newest first by default)."""
+    names = data.study_names(url)
+    last = st.session_state.get("_last_study")
+    index = names.index(last) if last in names else 0
+    name = st.selectbox("Study", names, index=index, key="study", bind="query-params")
+    st.session_state["_last_study"] = name
+    info = data.study_info(url, name)
+    if info is None:  # deleted since the list was cached
+        st.warning(f"Study {name!r} is no longer in the database.")
+        st.stop()
+    return info
+
+
+def best_number(points: pd.DataFrame, direction: str) -> int | None:
+    """The trial ``tuner export`` ranks first: the best first objective among trials that met
+    the SLO, else among all complete trials (the best first objective is always on the front)."""
+    done = points[(points["state"] == "complete") & points["obj_0"].notna()]
+    if done.empty:
+        return None
+    pool = done[done["feasible"]] if done["feasible"].any() else done
+    pool = pool.sort_values(["obj_0", "number"], ascending=[direction != "maximize", True])
+    return int(pool["number"].iloc[0])
+
+
+def trial_label(row: Mapping[str, Any]) -> str:
+    """``trial 5 [fiddler], complete, meets the SLO``."""
+    base = f" [{row['baseline']}]" if isinstance(row.get("baseline"), str) and row.get("baseline") else ""
+    verdict = ""
+    if row.get("state") == "complete":
+        verdict = ", meets the SLO" if row.get("feasible") else ", misses the SLO"
+    return f"trial {row['number']}{base}, {row['state']}{verdict}"
+
+
+def study_caption(info: Mapping[str, Any]) -> str:
+    """One line: model, workload, backend, hardware, objectives and SLO of a study."""
+    return " · ".join([
+        f"model **{info['model']}**",
+        f"workload **{info['workload']}**",
+        f"backend {info['backend']}",
+        data.hardware_label(info.get("hardware")),
+        "objective " + ", ".join(f"{o} ({d})" for o, d in zip(info["objectives"], info["directions"], strict=True)),
+        f"SLO {data.slo_label(info.get('slo'))}",
+    ])
+
+
+def page_url(page: str, **params: Any) -> str:
+    """A relative link to a page with query parameters (for link columns in tables)."""
+    return f"{page}?{urlencode(params, doseq=True)}"
+
+
+def link(page: str, label: str, **params: Any) -> None:
+    """A link to another page of the app carrying ``params`` in the URL."""
+    st.page_link(PAGES[page], label=label, query_params={k: str(v) if not isinstance(v, list) else v
+                                                          for k, v in params.items()})
+
+
+def fmt(value: Any, spec: str = ".4g", unit: str = "") -> str:
+    """A number for display; ``-`` for missing."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    return f"{format(value, spec)}{unit}"
+
+
+def fmt_bytes(n: Any) -> str:
+    """``1.5 GiB`` for a byte count."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def flatten(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``{"scheduler": {"max_batch_seqs": 8}}`` -> ``{"scheduler.max_batch_seqs": 8}`` (the
+    tuner's own flattening); a config that is already flat is returned as is."""
+    from tuner.space import flatten as flatten_nested
+
+    config = dict(config or {})
+    if config and all(isinstance(v, Mapping) for v in config.values()):
+        return flatten_nested(config)
+    return config
+
+
+def default_config() -> dict[str, Any]:
+    """Every knob's default, flat (from the engine's knob registry; no torch import)."""
+    from engine.config import EngineConfig
+
+    return flatten(EngineConfig().to_dict())
