@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 MET = "#2ca02c"
 MISSED = "#d62728"
-BASELINE = "#7f7f7f"
+BASELINE = "#7f7f7f"  # also: requests not judged against the SLO
 PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 LABELS = {
@@ -48,8 +48,8 @@ def label(name: str) -> str:
 
 def _layout(fig: go.Figure, title: str, height: int = 360, **kw: Any) -> go.Figure:
     kw.setdefault("margin", {"l": 10, "r": 10, "t": 50, "b": 10})
-    fig.update_layout(title={"text": title}, height=height,
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0}, **kw)
+    kw.setdefault("legend", {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    fig.update_layout(title={"text": title}, height=height, **kw)
     return fig
 
 
@@ -59,13 +59,15 @@ def _trial_text(df: pd.DataFrame) -> list[str]:
 
 
 def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, dict[str, Any]]]:
-    """Complete trials split into the three marker groups every study chart uses."""
-    searched = df[~df["is_baseline"]]
+    """Complete trials in the four marker groups every study chart uses: colour tells whether a
+    trial met the SLO, a diamond marks a baseline."""
+    searched, base = df[~df["is_baseline"]], df[df["is_baseline"]]
+    diamond = {"symbol": "diamond", "size": 12, "line": {"width": 1, "color": "black"}}
     return [
-        ("meets SLO", searched[searched["feasible"]], {"color": MET, "symbol": "circle"}),
-        ("misses SLO", searched[~searched["feasible"]], {"color": MISSED, "symbol": "x"}),
-        ("baseline", df[df["is_baseline"]], {"color": BASELINE, "symbol": "diamond", "size": 11,
-                                             "line": {"width": 1, "color": "black"}}),
+        ("meets SLO", searched[searched["feasible"]], {"color": MET, "symbol": "circle", "size": 9}),
+        ("misses SLO", searched[~searched["feasible"]], {"color": MISSED, "symbol": "x", "size": 9}),
+        ("baseline, meets SLO", base[base["feasible"]], {"color": MET, **diamond}),
+        ("baseline, misses SLO", base[~base["feasible"]], {"color": MISSED, **diamond}),
     ]
 
 
@@ -146,8 +148,9 @@ def parallel_coordinates(configs: pd.DataFrame, knobs: Sequence[str], objective:
                          "tickvals": list(range(len(cats))), "ticktext": cats})
     dims.append({"label": label(objective), "values": configs["value"].astype(float).tolist()})
     fig = go.Figure(go.Parcoords(line={"color": configs["value"].astype(float).tolist(), "colorscale": "Viridis",
-                                       "showscale": True}, dimensions=dims))
-    return _layout(fig, "Parallel coordinates over the knobs", height=440, margin={"l": 60, "r": 60, "t": 90, "b": 30})
+                                       "showscale": True}, dimensions=dims, labelangle=-20, labelside="top"))
+    return _layout(fig, "Parallel coordinates over the knobs", height=480,
+                   margin={"l": 70, "r": 70, "t": 130, "b": 30})
 
 
 def attainment(points: pd.DataFrame, target: float | None) -> go.Figure:
@@ -155,7 +158,7 @@ def attainment(points: pd.DataFrame, target: float | None) -> go.Figure:
     done = points[points["state"] == "complete"].dropna(subset=["slo_attainment"])
     colours = [MET if f else MISSED for f in done["feasible"]]
     fig = go.Figure(go.Bar(x=done["number"], y=done["slo_attainment"], marker={"color": colours},
-                           text=_trial_text(done), hovertemplate="%{text}<br>%{y:.1%}<extra></extra>",
+                           hovertext=_trial_text(done), hovertemplate="%{hovertext}<br>%{y:.1%}<extra></extra>",
                            name="attainment"))
     if target is not None:
         fig.add_hline(y=target, line={"dash": "dash", "color": "black"}, annotation_text=f"target {target:.0%}")
@@ -215,7 +218,8 @@ def requests_buckets(buckets: pd.DataFrame) -> go.Figure:
 def steps(timeline: pd.DataFrame) -> go.Figure:
     """Batch size, tokens and step time along the run (three stacked panels)."""
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        subplot_titles=("batch (sequences)", "tokens per step", "step time (ms)"))
+                        subplot_titles=("batch (sequences)", "tokens per step: prefill (orange), decode (blue)",
+                                        "step time (ms)"))
     x = timeline["start_s"]
     fig.add_trace(go.Scatter(x=x, y=timeline["batch_seqs"], mode="lines", line={"shape": "hv"}, name="batch"),
                   row=1, col=1)
@@ -230,25 +234,28 @@ def steps(timeline: pd.DataFrame) -> go.Figure:
                                  line={"dash": "dot"}), row=3, col=1)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title="time (s from start)", row=3, col=1)
-    return _layout(fig, "Step timeline", height=560)
+    return _layout(fig, "Step timeline", height=600, showlegend=False)
 
 
 def telemetry(readings: pd.DataFrame) -> go.Figure:
     """CPU and GPU utilisation, and memory, along the run."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=("utilisation (%)", "memory (GiB)"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("utilisation (%)", "memory"))
     x = readings["t_s"]
     fig.add_trace(go.Scatter(x=x, y=readings["cpu_percent"], mode="lines+markers", name="CPU %"), row=1, col=1)
     if readings["gpu_util_percent"].notna().any():
         fig.add_trace(go.Scatter(x=x, y=readings["gpu_util_percent"], mode="lines+markers", name="GPU %"),
                       row=1, col=1)
-    fig.add_trace(go.Scatter(x=x, y=readings["rss_bytes"].astype(float) / 2**30, mode="lines+markers",
-                             name="process RSS"), row=2, col=1)
-    if readings["gpu_mem_bytes"].notna().any():
-        fig.add_trace(go.Scatter(x=x, y=pd.to_numeric(readings["gpu_mem_bytes"]) / 2**30, mode="lines+markers",
-                                 name="GPU memory"), row=2, col=1)
+    rss = readings["rss_bytes"].astype(float)
+    gpu_mem = pd.to_numeric(readings["gpu_mem_bytes"], errors="coerce")
+    scale, unit = (2**30, "GiB") if max(rss.max(), gpu_mem.max(skipna=True) or 0) >= 4 * 2**30 else (2**20, "MiB")
+    fig.add_trace(go.Scatter(x=x, y=rss / scale, mode="lines+markers", name="process RSS"), row=2, col=1)
+    if gpu_mem.notna().any():
+        fig.add_trace(go.Scatter(x=x, y=gpu_mem / scale, mode="lines+markers", name="GPU memory"), row=2, col=1)
+    fig.layout.annotations[1].text = f"memory ({unit})"
+    fig.update_yaxes(rangemode="tozero")
     fig.update_xaxes(title="time (s from start)", row=2, col=1)
-    return _layout(fig, "Telemetry", height=420)
+    return _layout(fig, "Telemetry", height=460, legend={"orientation": "h", "y": -0.2})
 
 
 def expert_heatmap(stats: pd.DataFrame, field: str) -> go.Figure:
@@ -274,8 +281,8 @@ def expert_heatmap(stats: pd.DataFrame, field: str) -> go.Figure:
               "replicas": "Replicas"}
     fig = go.Figure(go.Heatmap(z=z, x=experts, y=layers, colorscale="Viridis", colorbar=colorbar, text=text,
                                hovertemplate="layer %{y}, expert %{x}: %{text}<extra></extra>"))
-    fig.update_xaxes(title="expert")
-    fig.update_yaxes(title="layer", autorange="reversed")
+    fig.update_xaxes(title="expert", type="category")
+    fig.update_yaxes(title="layer", type="category", autorange="reversed")
     return _layout(fig, f"{titles.get(field, field)} per layer and expert", height=max(240, 22 * len(layers) + 120))
 
 
@@ -305,8 +312,8 @@ def popularity(shares: pd.DataFrame, title: str) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(dtype=float), x=[str(v) for v in grid.columns],
                                y=[str(v) for v in grid.index], colorscale="Viridis",
                                hovertemplate="layer %{y}, expert %{x}: %{z:.1%}<extra></extra>"))
-    fig.update_xaxes(title="expert")
-    fig.update_yaxes(title="layer", autorange="reversed")
+    fig.update_xaxes(title="expert", type="category")
+    fig.update_yaxes(title="layer", type="category", autorange="reversed")
     return _layout(fig, title, height=max(240, 22 * len(grid) + 120))
 
 

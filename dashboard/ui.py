@@ -118,18 +118,6 @@ def fmt(value: Any, spec: str = ".4g", unit: str = "") -> str:
     return f"{format(value, spec)}{unit}"
 
 
-def fmt_bytes(n: Any) -> str:
-    """``1.5 GiB`` for a byte count."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def flatten(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """``{"scheduler": {"max_batch_seqs": 8}}`` -> ``{"scheduler.max_batch_seqs": 8}`` (the
     tuner's own flattening); a config that is already flat is returned as is."""

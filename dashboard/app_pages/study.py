@@ -71,28 +71,26 @@ if not complete.empty:
         target = parse_slo(data=info["slo"] or {}).attainment_target
         st.plotly_chart(charts.attainment(points, target), key="attainment")
 
-    left, right = st.columns(2)
-    with left:
-        imp = data.param_importance(url, info["optuna_study_name"], 0, directions[0])
-        if "importances" in imp and imp["importances"]:
-            st.plotly_chart(charts.importance(imp["importances"], objectives[0]), key="importance")
-            st.caption(f"PED-ANOVA over {imp['n_trials']} complete trials (Optuna); "
-                       "how much each knob decides whether a trial lands among the best.")
-        else:
-            st.subheader("Parameter importance")
-            st.info(imp.get("message") or "No knob varied between complete trials.")
-    with right:
-        configs = data.top_configs(url, info["id"], objectives[0], directions[0])
-        flat = pd.DataFrame([ui.flatten(c) for c in configs["config"]])
-        knobs = [k for k in flat.columns if flat[k].astype(str).nunique() > 1]
-        if len(configs) >= 2 and knobs:
-            st.plotly_chart(charts.parallel_coordinates(pd.concat([flat, configs[["value"]]], axis=1), knobs,
-                                                        objectives[0]), key="parcoords")
-            st.caption(f"The {len(configs)} best complete trials by {objectives[0]}, over the {len(knobs)} knobs "
-                       "that differ between them.")
-        else:
-            st.subheader("Parallel coordinates")
-            st.info("Needs at least two complete trials with different knob values.")
+    imp = data.param_importance(url, info["optuna_study_name"], 0, directions[0])
+    if "importances" in imp and imp["importances"]:
+        st.plotly_chart(charts.importance(imp["importances"], objectives[0]), key="importance")
+        st.caption(f"PED-ANOVA over {imp['n_trials']} complete trials (Optuna): how much each knob decides "
+                   "whether a trial lands among the best.")
+    else:
+        st.subheader("Parameter importance")
+        st.info(imp.get("message") or "No knob varied between complete trials.")
+
+    configs = data.top_configs(url, info["id"], objectives[0], directions[0])
+    flat = pd.DataFrame([ui.flatten(c) for c in configs["config"]])
+    knobs = [k for k in flat.columns if flat[k].astype(str).nunique() > 1]
+    if len(configs) >= 2 and knobs:
+        st.plotly_chart(charts.parallel_coordinates(pd.concat([flat, configs[["value"]]], axis=1), knobs,
+                                                    objectives[0]), key="parcoords")
+        st.caption(f"The {len(configs)} best complete trials by {objectives[0]}, over the {len(knobs)} knobs "
+                   "that differ between them.")
+    else:
+        st.subheader("Parallel coordinates")
+        st.info("Needs at least two complete trials with different knob values.")
 
 st.subheader("Trials")
 f1, f2, f3, f4, f5 = st.columns([3, 2, 2, 1, 1])
@@ -115,6 +113,7 @@ table = table.assign(open=[ui.page_url("trial", study=info["name"], trial=int(n)
 st.dataframe(
     table,
     hide_index=True,
+    placeholder="-",
     column_order=["open", "state", "baseline", "meets_slo", *data.TABLE_METRICS, "config_hash", "error"],
     column_config={
         "open": st.column_config.LinkColumn("trial", display_text=r"trial=(\d+)$"),

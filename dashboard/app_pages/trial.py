@@ -42,12 +42,12 @@ summary = t["summary"] or {}
 # --- metrics against the SLO
 if summary:
     cols = st.columns(6)
-    cols[0].metric("goodput", ui.fmt(t["goodput_rps"], ".4g", " req/s"))
-    cols[1].metric("throughput", ui.fmt(t["output_tokens_per_s"], ".4g", " tok/s"))
+    cols[0].metric("goodput (req/s)", ui.fmt(t["goodput_rps"], ".4g"))
+    cols[1].metric("throughput (tok/s)", ui.fmt(t["output_tokens_per_s"], ".4g"))
     cols[2].metric("SLO attainment", ui.fmt(t["slo_attainment"], ".1%"))
-    cols[3].metric("TTFT p99", ui.fmt(t["ttft_p99_ms"], ".4g", " ms"))
-    cols[4].metric("TPOT p99", ui.fmt(t["tpot_p99_ms"], ".4g", " ms"))
-    cols[5].metric("peak RSS", ui.fmt_bytes(t["peak_rss_bytes"]))
+    cols[3].metric("TTFT p99 (ms)", ui.fmt(t["ttft_p99_ms"], ".4g"))
+    cols[4].metric("TPOT p99 (ms)", ui.fmt(t["tpot_p99_ms"], ".4g"))
+    cols[5].metric("peak RSS (MiB)", ui.fmt(t["peak_rss_bytes"] / 2**20 if t["peak_rss_bytes"] else None, ".4g"))
     constraints = summary.get("constraints") or {}
     slo_rows = []
     for name in slo.constraint_names():

@@ -1,0 +1,293 @@
+"""Each page, run with AppTest on the seeded database: what it shows equals what the database holds."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from sqlalchemy import select
+
+from dashboard import data
+from db.models import ExpertStatRow, RequestRow, StepRow, Study, TelemetryRow, Workload
+from db.session import make_engine, session_scope
+from engine.config import EngineConfig
+from tuner.cli import main as tuner_main
+from tuner.export import is_feasible, ranked_trials
+from tuner.metrics import pareto_ranks
+from tuner.slo import parse_slo
+from tuner.space import flatten
+
+
+def _rows(url, model, trial_id, order):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        rows = s.scalars(select(model).where(model.trial_id == trial_id).order_by(*order)).all()
+        s.expunge_all()
+    db.dispose()
+    return rows
+
+
+def _ranked_numbers(url, name):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        numbers = [t.number for t in ranked_trials(s, s.scalars(select(Study).where(Study.name == name)).one())]
+    db.dispose()
+    return numbers
+
+
+def _study(url, name):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        study = s.scalars(select(Study).where(Study.name == name)).one()
+        out = {"slo": study.slo, "objectives": list(study.objectives), "workload_id": study.workload_id}
+    db.dispose()
+    return out
+
+
+def _frame_with(at, column):
+    return next(df.value for df in at.dataframe if column in df.value.columns)
+
+
+def _markers(chart):
+    """(trial number, y) of every marker trace of a chart, by trace name."""
+    return {tr["name"]: list(zip(tr["x"], tr["y"], strict=True)) for tr in chart["data"] if tr.get("mode") == "markers"}
+
+
+# -------------------------------------------------------------------------------- Studies
+
+
+def test_studies_page_counts_trials_and_best_goodput(seed, page, kit):
+    at = page("studies", seed.url)
+    df = at.dataframe[0].value
+    assert sorted(df["name"]) == sorted([seed.live, seed.pareto])
+    for name in (seed.live, seed.pareto):
+        trials = kit.trials_of(seed.url, name)
+        row = df[df["name"] == name].iloc[0]
+        assert row["trials"] == len(trials)
+        for state in ("complete", "failed", "pruned", "infeasible", "running"):
+            assert row[state] == sum(t.state == state for t in trials), state
+        feasible = [t.goodput_rps for t in trials if is_feasible(t)]
+        baselines = [t.goodput_rps for t in trials if t.is_baseline and t.state == "complete"]
+        if feasible:
+            assert row["best_goodput_rps"] == pytest.approx(max(feasible))
+            assert row["gain_over_best_baseline"] == pytest.approx(max(feasible) / max(baselines))
+        else:
+            assert pd.isna(row["best_goodput_rps"]) and pd.isna(row["gain_over_best_baseline"])
+        assert row["model"] == kit.MODEL and row["backend"] == "live" and row["hardware"]
+    assert df.loc[df["name"] == seed.live, "slo"].item() == "attainment>=0.8, tpot_p99_ms<=8, ttft_p99_ms<=40"
+    assert df.loc[df["name"] == seed.pareto, "objectives"].item() == "output_tokens_per_s, tpot_p99_ms"
+    assert {m.label: m.value for m in at.metric}["studies"] == "2"
+    assert "running" not in kit.texts(at)  # nothing runs: no live refresh note
+
+
+def test_studies_page_notes_a_running_study(altered, page):
+    at = page("studies", altered.url)
+    df = at.dataframe[0].value
+    assert df.loc[df["name"] == altered.study, "running"].item() == 1
+    assert {m.label: m.value for m in at.metric}["running"] == "1"
+    assert any("re-reads the database every 10 s" in c.value for c in at.caption)
+
+
+# ---------------------------------------------------------------------------------- Study
+
+
+def test_study_page_single_objective(seed, page, kit):
+    trials = kit.trials_of(seed.url, seed.live)
+    complete = [t for t in trials if t.state == "complete"]
+    at = page("study", seed.url, study=seed.live)
+    assert at.selectbox(key="study").value == seed.live
+    charts = kit.charts(at)
+
+    history = next(c for t, c in charts.items() if t.startswith("Optimisation history: goodput"))
+    points = [p for pts in _markers(history).values() for p in pts]
+    assert sorted(n for n, _ in points) == sorted(t.number for t in complete)
+    by_number = {t.number: t for t in trials}
+    assert all(y == pytest.approx(by_number[n].goodput_rps) for n, y in points)
+    met = [n for name, pts in _markers(history).items() if "meets SLO" in name for n, _ in pts]
+    assert sorted(met) == sorted(t.number for t in complete if is_feasible(t))
+    baselines = [n for name, pts in _markers(history).items() if name.startswith("baseline") for n, _ in pts]
+    assert sorted(baselines) == sorted(t.number for t in complete if t.is_baseline)
+
+    scatter = charts["Goodput vs throughput"]
+    assert sum(len(tr["x"]) for tr in scatter["data"]) == len(complete)
+    bars = charts["SLO attainment per trial"]["data"][0]
+    assert dict(zip(bars["x"], bars["y"], strict=True)) == pytest.approx(
+        {t.number: t.slo_attainment for t in complete})
+
+    importance = charts["Parameter importance for goodput (req/s)"]["data"][0]
+    knobs = set(flatten(EngineConfig().to_dict()))
+    assert importance["y"] and set(importance["y"]) <= knobs
+    assert sum(importance["x"]) == pytest.approx(1.0, abs=1e-6)
+    parcoords = charts["Parallel coordinates over the knobs"]["data"][0]
+    varying = {k for k in knobs if len({str(flatten(t.config).get(k)) for t in complete}) > 1}
+    assert len(parcoords["dimensions"]) == len(varying) + 1
+
+    table = at.dataframe[0].value
+    assert sorted(table["number"]) == [t.number for t in trials]
+    goodput = table["goodput_rps"].dropna().tolist()
+    assert goodput == sorted(goodput, reverse=True)  # sorted by the objective, best first
+    assert table["goodput_rps"].isna().tolist() == sorted(table["goodput_rps"].isna().tolist())  # missing last
+    state = next(m for m in at.multiselect if m.label == "State")
+    at = state.set_value(["complete"]).run()
+    table = at.dataframe[0].value
+    assert sorted(table["number"]) == sorted(t.number for t in complete) and set(table["state"]) == {"complete"}
+    assert f"{len(complete)} trial(s) match" in kit.texts(at)
+
+
+def test_study_page_pareto_front(seed, page, kit):
+    trials = kit.trials_of(seed.url, seed.pareto)
+    feasible = [t for t in trials if is_feasible(t)]
+    values = [[t.summary["objectives"]["output_tokens_per_s"], t.summary["objectives"]["tpot_p99_ms"]]
+              for t in feasible]
+    front = sorted(v[0] for v, r in zip(values, pareto_ranks(values, ["maximize", "minimize"]), strict=True)
+                   if r == 0)
+    at = page("study", seed.url, study=seed.pareto)
+    chart = kit.charts(at)["Pareto front"]
+    drawn = next(tr for tr in chart["data"] if tr["name"] == "Pareto front (meets SLO)")
+    assert sorted(drawn["x"]) == pytest.approx(front)
+    assert sum(len(tr["x"]) for tr in chart["data"] if tr["mode"] == "markers") == sum(
+        t.state == "complete" for t in trials)
+    assert "Optimisation history: throughput (output tok/s) (maximize)" in kit.charts(at)
+
+
+def test_study_page_while_a_trial_runs(altered, page):
+    at = page("study", altered.url, study=altered.study)
+    assert {m.label: m.value for m in at.metric}["running"] == "1"
+    assert any("refreshing every 10 s" in c.value for c in at.caption)
+
+
+# ---------------------------------------------------------------------------------- Trial
+
+
+def test_trial_page_shows_the_best_trial(seed, page, kit):
+    best = _ranked_numbers(seed.url, seed.live)[0]
+    trial = next(t for t in kit.trials_of(seed.url, seed.live) if t.number == best)
+    at = page("trial", seed.url, study=seed.live)  # no trial given: the best one
+    assert at.selectbox(key="trial").value == best
+    assert at.subheader[0].value.startswith(f"trial {best}")
+
+    slo = parse_slo(data=_study(seed.url, seed.live)["slo"])
+    assert _frame_with(at, "bound")["bound"].tolist() == slo.constraint_names()
+    defaults = flatten(EngineConfig().to_dict())
+    changed = sorted(k for k, v in flatten(trial.config).items() if v != defaults[k])
+    shown = _frame_with(at, "knob")["knob"].tolist() if changed else []
+    assert sorted(shown) == changed
+    assert f"{len(changed)} knob(s) changed" in kit.texts(at)
+
+    requests = _rows(seed.url, RequestRow, trial.id, [RequestRow.id])
+    charts = kit.charts(at)
+    ttft = charts["TTFT CDF"]["data"][0]
+    assert ttft["x"] == pytest.approx(sorted(r.ttft_ms for r in requests if r.ttft_ms is not None))
+    assert ttft["y"][-1] == 1.0
+    scatter = charts["Requests over time"]["data"]
+    assert sum(len(tr["x"]) for tr in scatter) == len(requests)
+    met = next((tr for tr in scatter if tr["name"] == "met SLO"), {"x": []})
+    assert len(met["x"]) == sum(bool(r.met_slo) for r in requests)
+    buckets = charts["Arrivals per time bucket, met and missed"]["data"]
+    assert sum(sum(tr["y"]) for tr in buckets) == len(requests)
+
+    steps = _rows(seed.url, StepRow, trial.id, [StepRow.step])
+    timeline = charts["Step timeline"]["data"][0]
+    assert len(timeline["x"]) == len(steps) and timeline["y"] == [s.batch_seqs for s in steps]
+    experts = _rows(seed.url, ExpertStatRow, trial.id, [ExpertStatRow.layer, ExpertStatRow.expert])
+    heat = charts["Tokens routed per layer and expert"]["data"][0]
+    assert sum(v for row in heat["z"] for v in row) == sum(e.tokens for e in experts)
+    assert {"Resident in the fast tier per layer and expert", "Precision per layer and expert",
+            "Replicas per layer and expert"} <= set(charts)
+    if _rows(seed.url, TelemetryRow, trial.id, [TelemetryRow.t_s]):
+        assert "Telemetry" in charts
+
+
+def test_trial_page_shows_why_a_trial_failed(seed, page, kit):
+    failed = next(t for t in kit.trials_of(seed.url, seed.live) if t.state in ("infeasible", "pruned", "failed"))
+    at = page("trial", seed.url, study=seed.live, trial=failed.number)
+    assert at.error[0].value == f"{failed.state}: {failed.error}"
+    assert at.subheader[0].value.startswith(f"trial {failed.number}")
+    if not _rows(seed.url, RequestRow, failed.id, [RequestRow.id]):
+        assert "No per-request measurements" in kit.texts(at)
+
+
+# -------------------------------------------------------------------------------- Compare
+
+
+def test_compare_page(seed, page, kit):
+    trials = kit.trials_of(seed.url, seed.live)
+    complete = [t for t in trials if t.state == "complete"]
+    a, b = complete[0], complete[-1]
+    at = page("compare", seed.url, study=seed.live, trials=[a.number, b.number])
+    assert at.multiselect(key="trials").value == [a.number, b.number]
+    fa, fb = flatten(a.config), flatten(b.config)
+    diff = _frame_with(at, "knob")
+    assert sorted(diff["knob"]) == sorted(k for k in fa if str(fa[k]) != str(fb.get(k)))
+    metrics = _frame_with(at, "metric").set_index("metric")
+    name_a = next(c for c in metrics.columns if c.startswith(f"trial {a.number}"))
+    name_b = next(c for c in metrics.columns if c.startswith(f"trial {b.number}") and " vs " not in c)
+    assert metrics.loc["goodput_rps", name_a] == pytest.approx(a.goodput_rps)
+    assert metrics.loc["goodput_rps", name_b] == pytest.approx(b.goodput_rps)
+    delta = metrics.loc["goodput_rps", f"{name_b} vs {name_a}"]
+    assert delta == pytest.approx((b.goodput_rps - a.goodput_rps) / a.goodput_rps)
+    for title in ("TTFT CDF", "TPOT CDF", "E2E latency CDF"):
+        assert [tr["name"] for tr in kit.charts(at)[title]["data"]] == [name_a, name_b]
+
+    one = page("compare", seed.url, study=seed.live, trials=[a.number])
+    assert "Pick at least two trials" in kit.texts(one)
+
+
+# ------------------------------------------------------------------------------ Workloads
+
+
+def _workload_label(url, study):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        w = s.get(Workload, _study(url, study)["workload_id"])
+        label = f"{w.name} ({w.fingerprint[:8]})"
+    db.dispose()
+    return label
+
+
+def test_workloads_page_from_the_workload_file(seed, page, kit):
+    at = page("workloads", seed.url, workload=_workload_label(seed.url, seed.live))
+    charts = kit.charts(at)
+    assert sum(charts["Arrival rate over time"]["data"][0]["customdata"]) == 16
+    assert sum(charts["Prompt length distribution"]["data"][0]["y"]) == 16
+    assert sum(charts["Output length distribution"]["data"][0]["y"]) == 16
+    trace = charts["Share of tokens per expert, router trace"]["data"][0]
+    assert len(trace["z"]) == 2 and all(sum(row) == pytest.approx(1.0) for row in trace["z"])  # 2 MoE layers
+    assert [tr["name"] for tr in charts["Expert popularity drift"]["data"]] == ["layer 0", "layer 1"]
+    complete = sum(t.state == "complete" for t in kit.trials_of(seed.url, seed.live))
+    stored = charts[f"Share of tokens per expert, {complete} trial(s)"]["data"][0]
+    assert all(sum(row) == pytest.approx(1.0) for row in stored["z"])
+    table = at.dataframe[0].value
+    assert set(table["name"]) == {"bursty16", "tiny"}
+
+    tiny = page("workloads", seed.url, workload=_workload_label(seed.url, seed.pareto))
+    assert "Drift over time needs a router trace" in kit.texts(tiny)
+    assert sum(kit.charts(tiny)["Prompt length distribution"]["data"][0]["y"]) == 12  # builtin:tiny's file
+
+
+def test_workloads_page_without_the_file_uses_a_stored_replay(altered, page, kit):
+    at = page("workloads", altered.url, workload=_workload_label(altered.url, altered.study))
+    assert "is not readable here" in kit.texts(at)
+    charts = kit.charts(at)
+    assert sum(charts["Arrival rate over time"]["data"][0]["customdata"]) == 16
+    assert sum(charts["Prompt length distribution"]["data"][0]["y"]) == 16
+
+
+# --------------------------------------------------------------------------------- Export
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_export_page_is_the_tuner_export_file(seed, page, tmp_path, rank):
+    out = tmp_path / "best.json"
+    assert tuner_main(["export", "--study", seed.live, "--db", seed.url, "--rank", str(rank), "--out", str(out)]) == 0
+    number = _ranked_numbers(seed.url, seed.live)[rank - 1]
+    at = page("export", seed.url, study=seed.live, **({"trial": number} if rank > 1 else {}))
+    shown = next(c.value for c in at.code if c.language == "json")
+    assert shown == out.read_text().rstrip("\n")  # st.code drops the final newline; the download keeps it
+    assert data.export_text(seed.url, seed.live, rank) == out.read_text()  # what the download button serves
+    assert at.download_button[0].label == "Download the config"
+    assert any(f"--rank {rank}" in c.value for c in at.code)
+    ranking = _frame_with(at, "rank")
+    assert ranking["number"].tolist() == _ranked_numbers(seed.url, seed.live)
+    assert not math.isnan(ranking["goodput_rps"].iloc[0])
