@@ -195,7 +195,9 @@ def studies_overview(url: str) -> pd.DataFrame:
     df["hardware"] = df["hardware"].map(hardware_label)
     df["slo"] = df["slo"].map(slo_label)
     df["objectives"] = df["objectives"].map(lambda o: ", ".join(o or []))
-    best, base = df["best_goodput_rps"].astype(float), df["best_baseline_goodput_rps"].astype(float)
+    for column in ("best_goodput_rps", "best_baseline_goodput_rps"):
+        df[column] = df[column].astype(float)
+    best, base = df["best_goodput_rps"], df["best_baseline_goodput_rps"]
     df["gain_over_best_baseline"] = (best / base).where(base > 0)
     return df
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from db.session import make_engine, session_scope, upgrade
@@ -58,7 +59,7 @@ def unfinished(tmp_path_factory):
 def test_no_finished_trial(unfinished, page, kit):
     studies = page("studies", unfinished)
     row = studies.dataframe[0].value.iloc[0]
-    assert (row["running"], row["complete"]) == (1, 0) and row["best_goodput_rps"] != row["best_goodput_rps"]  # NaN
+    assert (row["running"], row["complete"]) == (1, 0) and pd.isna(row["best_goodput_rps"])
 
     study = page("study", unfinished, study="waiting-00000000")
     assert "No finished trial yet" in kit.texts(study) and "1 trial(s) running" in kit.texts(study)

@@ -23,7 +23,11 @@ from engine.moe.quant import QWeight, check_group_size, dequantize, expert_nbyte
 
 SHAPES = [(1, 64), (7, 128), (33, 256), (80, 128), (144, 64)]  # [out, in]: one row, odd, N % 64 != 0
 TOKENS = [1, 7, 64]
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def CUDA(f):  # noqa: N802 - reads as a marker
+    """GPU test: marked ``gpu`` and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(f))
 
 
 def _weight(n: int, k: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:

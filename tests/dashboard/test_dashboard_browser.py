@@ -1,0 +1,137 @@
+"""The real app, started with ``streamlit run``, in headless Chromium: every page renders without an
+exception, and screenshots of the Study and Trial pages land in ``artifacts/dashboard/``.
+
+Needs Debian's Chromium and the Playwright package (not its browser download)::
+
+    apt-get install -y chromium chromium-driver
+    pip install playwright
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+from sqlalchemy import select
+
+from db.models import Study, Workload
+from db.session import make_engine, session_scope
+from tuner.export import ranked_trials
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts" / "dashboard"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+INSTALL = "apt-get install -y chromium chromium-driver && pip install playwright"
+
+
+sync_api = pytest.importorskip("playwright.sync_api", reason=f"the playwright package is not installed ({INSTALL})")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip(f"no Chromium on PATH ({INSTALL})", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(seed, tmp_path_factory):
+    """``streamlit run dashboard/app.py`` on the seeded database; yields the base URL."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(REPO / "dashboard" / "app.py"), "--server.headless", "true",
+           "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
+           "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, "MOETUNE_DB": seed.url}, cwd=log_path.parent, stdout=log,
+                                stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as r:
+                    if r.read().decode().strip() == "ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"streamlit did not come up: {log_path.read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _views(seed) -> list[tuple[str, str, str, int]]:
+    """(page path with query, heading, text that must show, plotly charts expected at least)."""
+    db = make_engine(seed.url)
+    with session_scope(db) as s:
+        study = s.scalars(select(Study).where(Study.name == seed.live)).one()
+        ranked = [t.number for t in ranked_trials(s, study)]
+        workload = s.get(Workload, study.workload_id)
+        label = f"{workload.name} ({workload.fingerprint[:8]})"
+    db.dispose()
+    best, other = ranked[0], ranked[-1]
+    q = {"study": seed.live}
+    return [
+        ("", "Studies", "gain over best baseline", 0),
+        (f"study?{urlencode(q)}", "Study", "Optimisation history", 5),
+        (f"trial?{urlencode({**q, 'trial': best})}", "Trial", "Latency distributions", 8),
+        (f"compare?{urlencode({**q, 'trials': [best, other]}, doseq=True)}", "Compare", "Config differences", 3),
+        (f"workloads?{urlencode({'workload': label})}", "Workloads", "Expert popularity", 5),
+        (f"export?{urlencode(q)}", "Export", "Download the config", 0),
+    ]
+
+
+def _save(page, path: Path, max_height: int) -> None:
+    """A screenshot of the page's content (at most ``max_height`` px), as a small palette PNG."""
+    from PIL import Image
+
+    bottom = page.evaluate(
+        "() => document.querySelector('[data-testid=\"stMainBlockContainer\"]').getBoundingClientRect().bottom")
+    width = page.viewport_size["width"]
+    page.screenshot(path=str(path), clip={"x": 0, "y": 0, "width": width, "height": min(max_height, int(bottom) + 16)})
+    Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
+
+
+def test_every_page_renders_in_chromium(server, seed):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 2400})
+            for path, heading, text, n_charts in _views(seed):
+                page.goto(f"{server}/{path}")
+                page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=60_000)
+                page.wait_for_function(
+                    """n => document.querySelectorAll('[data-testid="stSkeleton"]').length === 0
+                           && document.querySelectorAll('.js-plotly-plot').length >= n
+                           && !document.querySelector('[data-testid="stStatusWidget"]')""",
+                    arg=n_charts, timeout=60_000)
+                page.wait_for_timeout(500)  # let plotly finish drawing before the screenshot
+                name = path.split("?")[0] or "studies"
+                assert page.locator("[data-testid='stException']").count() == 0, f"{name}: an exception is shown"
+                body = page.inner_text("[data-testid='stMain']")
+                assert text in body, f"{name}: {text!r} not shown"
+                assert "Cannot open the results database" not in body
+                _save(page, ARTIFACTS / f"{name}.png", max_height=1700 if name in ("study", "trial") else 2400)
+        finally:
+            browser.close()
+    for name in ("study", "trial"):
+        assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
