@@ -32,5 +32,5 @@ pages = [
     st.Page(PAGES["export"], title="Export", icon=":material/download:", url_path="export"),
 ]
 page = st.navigation(pages)
-st.sidebar.caption(f"Results database (read-only): `{data.masked(data.db_url())}`")
+st.sidebar.caption(f"Results database (read-only): `{data.db_label()}`")
 page.run()

@@ -48,7 +48,8 @@ def label(name: str) -> str:
 
 def _layout(fig: go.Figure, title: str, height: int = 360, **kw: Any) -> go.Figure:
     kw.setdefault("margin", {"l": 10, "r": 10, "t": 50, "b": 10})
-    kw.setdefault("legend", {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0})
+    # Legends go under the plot: above it they collide with the title in half-width columns.
+    kw.setdefault("legend", {"orientation": "h", "yanchor": "top", "y": -0.22, "xanchor": "left", "x": 0.0})
     fig.update_layout(title={"text": title}, height=height, **kw)
     return fig
 
@@ -255,7 +256,7 @@ def telemetry(readings: pd.DataFrame) -> go.Figure:
     fig.layout.annotations[1].text = f"memory ({unit})"
     fig.update_yaxes(rangemode="tozero")
     fig.update_xaxes(title="time (s from start)", row=2, col=1)
-    return _layout(fig, "Telemetry", height=460, legend={"orientation": "h", "y": -0.2})
+    return _layout(fig, "Telemetry", height=460)
 
 
 def expert_heatmap(stats: pd.DataFrame, field: str) -> go.Figure:

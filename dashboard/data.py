@@ -90,6 +90,14 @@ def masked(url: str) -> str:
     return mask_url(url)
 
 
+def db_label() -> str:
+    """The database the dashboard reads, password hidden, for the sidebar (never raises)."""
+    try:
+        return mask_url(db_url())
+    except DatabaseError as e:
+        return f"unusable ({e})"
+
+
 @st.cache_resource(show_spinner=False)
 def get_engine(url: str) -> Engine:
     """A read-only engine for ``url``, opened once per URL (raises ``DatabaseError``)."""
@@ -384,6 +392,7 @@ def param_importance(url: str, optuna_study_name: str, objective_index: int, dir
         study = optuna.load_study(study_name=optuna_study_name, storage=_optuna_storage(url))
         done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     except Exception as e:  # noqa: BLE001 - Optuna and SQLAlchemy raise many kinds
+        log.info("no parameter importance for %s: %s", optuna_study_name, e)
         return {"message": f"cannot read Optuna study {optuna_study_name!r}: {' '.join(str(e).split())[:200]}"}
     if len(done) < 2:
         return {"message": f"parameter importance needs at least 2 complete trials; this study has {len(done)}."}

@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
+from db.session import DatabaseError
 
 #: Page scripts, relative to ``dashboard/app.py`` (``st.Page`` and ``st.page_link`` take these).
 PAGES = {
@@ -39,7 +40,12 @@ START_A_STUDY = (
 
 def require_database() -> str:
     """The URL of a readable database holding at least one study; otherwise explain and stop."""
-    url = data.db_url()
+    try:
+        url = data.db_url()
+    except DatabaseError as e:
+        st.error(f"Cannot open the results database: {e}")
+        st.markdown(POINT_AT_DB)
+        st.stop()
     status = data.database_status(url)
     if status["state"] == "error":
         st.error(f"Cannot open the results database: {status['message']}")

@@ -154,7 +154,7 @@ class ResidencyConfig:
         search=Search(choices=("none", "int8", "int4")), when={"residency": ("static", "dynamic")})
     int4_group_size: int = knob(
         128, "Group size (input channels per scale) of int4 weights; must divide hidden and expert widths.",
-        min=16, max=4096, search=Search(choices=(32, 64, 128)), when={"hi_precision": ("int4",)})
+        min=32, max=256, search=Search(choices=(32, 64, 128)), when={"hi_precision": ("int4",)})
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,8 @@ for metric in ("goodput_rps", "slo_attainment", "output_tokens_per_s", "requests
     for name, v in zip(names, values, strict=True):
         row[name] = v
     ref = values[0]
-    for name, v in zip(names[1:], values[1:], strict=True):
-        row[f"{name} vs {reference}"] = (v - ref) / abs(ref) if v is not None and ref not in (None, 0) else None
+    for n, v in zip(df.index[1:], values[1:], strict=True):
+        row[f"Δ trial {n}"] = (v - ref) / abs(ref) if v is not None and ref not in (None, 0) else None
     metric_rows.append(row)
 state_row = {"metric": "state", "better": "", **{n: s for n, s in zip(names, df["state"], strict=True)}}
 feasible_row = {"metric": "meets SLO", "better": "", **{n: bool(f) for n, f in zip(names, df["feasible"], strict=True)}}
@@ -68,10 +68,12 @@ st.dataframe(
     hide_index=True,
     column_config={
         **{n: st.column_config.NumberColumn(n, format="%.4g") for n in names},
-        **{c: st.column_config.NumberColumn(c, format="percent") for c in table.columns if " vs " in c},
+        **{c: st.column_config.NumberColumn(c, format="percent", help=f"relative to {reference}")
+           for c in table.columns if c.startswith("Δ")},
     },
+    height=36 * (len(table) + 1) + 4,
 )
-st.caption(f"Deltas relative to {reference}; states: "
+st.caption(f"Δ: change relative to {reference}; states: "
            + ", ".join(f"{n} {s}" + (" (meets SLO)" if feasible_row[n] else "") for n, s in
                        ((n, state_row[n]) for n in names)))
 

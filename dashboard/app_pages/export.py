@@ -41,6 +41,7 @@ st.code(f"tuner export --study {info['name']} --rank {rank} --out {file_name}", 
 st.markdown("Use it with")
 model = info["model"]
 st.code(f"engine run --config {file_name} --model {model}", language="bash")
-with st.expander("File contents", expanded=True):
-    st.code(text, language="json")
+st.markdown("**Complete trials in export order** (`--rank 1` is the best)")
 st.dataframe(ranking, hide_index=True, column_config={"meets_slo": st.column_config.CheckboxColumn("meets SLO")})
+with st.expander("File contents"):
+    st.code(text, language="json")

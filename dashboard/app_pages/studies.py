@@ -27,9 +27,9 @@ def overview() -> None:
     st.dataframe(
         table,
         hide_index=True,
-        column_order=["open", "model", "workload", "hardware", "backend", "objectives", "slo", "trials",
-                      "complete", "running", "failed", "pruned", "infeasible", "best_goodput_rps",
-                      "gain_over_best_baseline", "created_at"],
+        column_order=["open", "workload", "trials", "complete", "running", "failed", "pruned", "infeasible",
+                      "best_goodput_rps", "gain_over_best_baseline", "slo", "objectives", "model", "backend",
+                      "hardware", "created_at"],
         column_config={
             "open": st.column_config.LinkColumn("study", display_text=r"study=(.*)$",
                                                 help="open the study page"),

@@ -338,38 +338,42 @@ def qlinear(x: torch.Tensor, qw: QWeight, path: Literal["auto", "kernel", "dequa
     dtype; ``auto`` picks by tokens per call (:data:`DEQUANT_FROM_TOKENS`).
     """
     n, k = qw.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # reshapes cost microseconds: skip them for 2-D x
     m = x2.shape[0]
     kernel = qw.kernel
     if kernel == "linear":
         w = qw.data
-        y = F.linear(x2 if x2.dtype == w.dtype else x2.to(w.dtype), w)  # bf16/fp16 weights: product in their dtype
-        return y.to(x.dtype).reshape(*lead, n)
-    if m == 0:
-        return x.new_empty(*lead, n)
-    if path == "dequant" or (path == "auto" and m >= DEQUANT_FROM_TOKENS.get((qw.device.type, qw.precision), 1 << 62)):
-        kernel = "dequant"
-    if kernel != "dequant":
-        try:
-            y = _run_kernel(kernel, x2, qw)
-            return y.to(x.dtype).reshape(*lead, n)
-        except RuntimeError as e:  # a shape the probe did not cover; keep serving, say so once
-            _warn_once(kernel, qw.shape, e)
-    return _dequant_linear(x2, qw).reshape(*lead, n)
+        y = F.linear(x2 if x2.dtype == w.dtype else x2.to(w.dtype), w)  # 16-bit weights: product in their dtype
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+    elif m == 0:
+        y = x2.new_empty(0, n)
+    else:
+        if path == "dequant" or (path == "auto" and m > 1 and m >= DEQUANT_FROM_TOKENS.get(
+                (qw.data.device.type, qw.precision), 1 << 62)):
+            kernel = "dequant"
+        y = None
+        if kernel != "dequant":
+            try:
+                y = _run_kernel(kernel, x2, qw)
+                y = y if y.dtype == x.dtype else y.to(x.dtype)
+            except RuntimeError as e:  # a shape the probe did not cover: keep serving, say so once
+                _warn_once(kernel, qw.shape, e)
+        if y is None:
+            y = _dequant_linear(x2, qw)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def _run_kernel(kernel: Kernel, x2: torch.Tensor, qw: QWeight) -> torch.Tensor:
-    n = qw.shape[0]
-    xa = x2.to(_ACT_DTYPE).contiguous()
+    xa = x2 if x2.dtype == _ACT_DTYPE and x2.is_contiguous() else x2.to(_ACT_DTYPE).contiguous()
     if kernel == "int8pack_mm":
-        return torch.ops.aten._weight_int8pack_mm(xa, qw.data, qw.scales)
+        return torch.ops.aten._weight_int8pack_mm.default(xa, qw.data, qw.scales)
     if kernel == "int4pack_mm_cpu":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, qw.data, qw.group_size, qw.scales)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu.default(xa, qw.data, qw.group_size, qw.scales)
     elif kernel == "int4pack_mm_tinygemm":
-        y = torch.ops.aten._weight_int4pack_mm(xa, qw.data, qw.group_size, qw.scales)
+        y = torch.ops.aten._weight_int4pack_mm.default(xa, qw.data, qw.group_size, qw.scales)
     else:
         raise RuntimeError(f"unknown kernel {kernel!r}")
+    n = qw.shape[0]
     return y if y.shape[1] == n else y[:, :n]
 
 

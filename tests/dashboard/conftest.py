@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
+import sqlite3
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -89,7 +90,8 @@ def altered(seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> SimpleNames
     """A copy of the seed where a worker is mid-trial (one running trial in ``live``) and the
     ``live`` workload's file has gone (its source points nowhere)."""
     path = tmp_path_factory.mktemp("dashboard-altered") / "moetune.db"
-    shutil.copy(seed.path, path)
+    with closing(sqlite3.connect(seed.path)) as src, closing(sqlite3.connect(path)) as dst:
+        src.backup(dst)  # a consistent copy, whatever is still in the write-ahead log
     url = f"sqlite:///{path}"
     db = make_engine(url)
     config = EngineConfig()

@@ -90,7 +90,7 @@ def _views(seed) -> list[tuple[str, str, str, int]]:
     best, other = ranked[0], ranked[-1]
     q = {"study": seed.live}
     return [
-        ("", "Studies", "gain over best baseline", 0),
+        ("", "Studies", "Open a study for its history", 0),
         (f"study?{urlencode(q)}", "Study", "Optimisation history", 5),
         (f"trial?{urlencode({**q, 'trial': best})}", "Trial", "Latency distributions", 8),
         (f"compare?{urlencode({**q, 'trials': [best, other]}, doseq=True)}", "Compare", "Config differences", 3),
@@ -130,6 +130,8 @@ def test_every_page_renders_in_chromium(server, seed):
                 body = page.inner_text("[data-testid='stMain']")
                 assert text in body, f"{name}: {text!r} not shown"
                 assert "Cannot open the results database" not in body
+                if name in ("studies", "study", "export"):  # tables draw on a canvas: check they are there
+                    assert page.locator("[data-testid='stDataFrame']").count() >= 1, f"{name}: no table"
                 _save(page, ARTIFACTS / f"{name}.png", max_height=1700 if name in ("study", "trial") else 2400)
         finally:
             browser.close()

@@ -22,6 +22,13 @@ def test_missing_database(tmp_path, page, kit, name):
     assert not path.exists()  # read-only: the dashboard never creates a database
 
 
+@pytest.mark.parametrize("name", ["studies", "trial"])
+def test_unusable_database_url(page, kit, name):
+    at = page(name, "not a database url")
+    assert at.error[0].value.startswith("Cannot open the results database: not a database URL")
+    assert "MOETUNE_DB" in kit.texts(at)
+
+
 @pytest.mark.parametrize("kind", ["blank", "migrated"])
 @pytest.mark.parametrize("name", PAGES)
 def test_empty_database(tmp_path, page, kit, name, kind):

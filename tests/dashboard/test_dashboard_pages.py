@@ -123,6 +123,8 @@ def test_study_page_single_objective(seed, page, kit):
     varying = {k for k in knobs if len({str(flatten(t.config).get(k)) for t in complete}) > 1}
     assert len(parcoords["dimensions"]) == len(varying) + 1
 
+    best = _ranked_numbers(seed.url, seed.live)[0]
+    assert f"Open trial {best}" in [link.label for link in at.get("page_link")]
     table = at.dataframe[0].value
     assert sorted(table["number"]) == [t.number for t in trials]
     goodput = table["goodput_rps"].dropna().tolist()
@@ -222,10 +224,10 @@ def test_compare_page(seed, page, kit):
     assert sorted(diff["knob"]) == sorted(k for k in fa if str(fa[k]) != str(fb.get(k)))
     metrics = _frame_with(at, "metric").set_index("metric")
     name_a = next(c for c in metrics.columns if c.startswith(f"trial {a.number}"))
-    name_b = next(c for c in metrics.columns if c.startswith(f"trial {b.number}") and " vs " not in c)
+    name_b = next(c for c in metrics.columns if c.startswith(f"trial {b.number}"))
     assert metrics.loc["goodput_rps", name_a] == pytest.approx(a.goodput_rps)
     assert metrics.loc["goodput_rps", name_b] == pytest.approx(b.goodput_rps)
-    delta = metrics.loc["goodput_rps", f"{name_b} vs {name_a}"]
+    delta = metrics.loc["goodput_rps", f"Δ trial {b.number}"]
     assert delta == pytest.approx((b.goodput_rps - a.goodput_rps) / a.goodput_rps)
     for title in ("TTFT CDF", "TPOT CDF", "E2E latency CDF"):
         assert [tr["name"] for tr in kit.charts(at)[title]["data"]] == [name_a, name_b]
