@@ -365,8 +365,10 @@ def top_configs(url: str, study_id: int, objective: str, direction: str, limit: 
     return df
 
 
+@st.cache_resource(show_spinner=False)
 def _optuna_storage(url: str) -> Any:
-    """Optuna's RDB storage on the same database, read-only (no table creation, no writes)."""
+    """Optuna's RDB storage on the same database, read-only (no table creation, no heartbeats),
+    opened once per URL."""
     import optuna
 
     engine = get_engine(url)

@@ -16,6 +16,7 @@ trials drawn from different spaces.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -336,6 +337,13 @@ def build_space(
                     del candidates[key]
                     changed = True
                     break
+    cores = hardware.get("cpu_cores")
+    if cores:
+        # Thread counts above the cores this process may use only oversubscribe: search up to them.
+        for key, k in candidates.items():
+            if k.name.endswith("_threads") and k.search is not None and k.search.high is not None:
+                candidates[key] = dataclasses.replace(
+                    k, search=dataclasses.replace(k.search, high=min(k.search.high, cores)))
     params = [param_from_knob(k, tuple(c for c in when_of.get(k.key, ()) if c.parent in candidates))
               for k in candidates.values()]
     space = SearchSpace(tuple(_parents_first(params)), fixed, omitted)

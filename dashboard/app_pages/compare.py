@@ -53,7 +53,8 @@ for metric in ("goodput_rps", "slo_attainment", "output_tokens_per_s", "requests
                "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "quality_top1_agreement",
                "peak_rss_bytes", "duration_s"):
     values = [float(v) if pd.notna(v) else None for v in df[metric]]
-    row = {"metric": metric, "better": "higher" if OBJECTIVES.get(metric, "minimize") == "maximize" else "lower"}
+    row: dict[str, str | float | None] = {
+        "metric": metric, "better": "higher" if OBJECTIVES.get(metric, "minimize") == "maximize" else "lower"}
     for name, v in zip(names, values, strict=True):
         row[name] = v
     ref = values[0]

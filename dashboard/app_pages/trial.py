@@ -84,8 +84,7 @@ limits = slo.request_limits_ms()
 st.subheader("Latency distributions")
 st.caption(f"{counts['total']} requests: {counts['met']} met the SLO, {counts['missed']} missed"
            + (f", {counts['unknown']} not judged" if counts["unknown"] else "") + ".")
-cols = st.columns(3)
-for col, metric in zip(cols, ("ttft_ms", "tpot_ms", "e2e_ms"), strict=True):
+for col, metric in zip(st.columns(3), ("ttft_ms", "tpot_ms", "e2e_ms"), strict=True):
     with col:
         cdf = data.latency_cdf(url, t["id"], metric)
         st.plotly_chart(charts.cdfs({f"trial {number}": cdf}, metric, limits.get(metric)), key=f"cdf_{metric}")

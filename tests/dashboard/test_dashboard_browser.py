@@ -54,8 +54,9 @@ def server(seed, tmp_path_factory):
            "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer"]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, "MOETUNE_DB": seed.url}, cwd=log_path.parent, stdout=log,
-                                stderr=subprocess.STDOUT)
+        # From the seed's directory with the default relative URL, as `tuner run` users have it.
+        proc = subprocess.Popen(cmd, env={**os.environ, "MOETUNE_DB": f"sqlite:///{seed.path.name}"},
+                                cwd=seed.path.parent, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

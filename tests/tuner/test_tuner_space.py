@@ -69,7 +69,7 @@ def test_space_hash_is_short_stable_and_changes_with_the_space():
     assert build_space(HW).space_hash() == h
     # Stable across processes (no salted hashing anywhere).
     out = subprocess.run([sys.executable, "-c", "from tuner.space import build_space; "
-                          "print(build_space({}).space_hash())"], capture_output=True, text=True, check=True)
+                          f"print(build_space({HW!r}).space_hash())"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == h
     assert build_space(HW, registry=_registry_with("scheduler.max_batch_seqs", high=128)).space_hash() != h
     assert build_space(HW, registry=_registry_with("scheduler.max_batch_seqs", log=False)).space_hash() != h
@@ -77,6 +77,10 @@ def test_space_hash_is_short_stable_and_changes_with_the_space():
                                                    choices=("auto", "float32"))).space_hash() != h
     assert build_space(HW, fixed={"scheduler.max_batch_seqs": 8}).space_hash() != h
     assert build_space(HW, inert={**inert_knobs(HW), "scheduler.max_batch_tokens": "test"}).space_hash() != h
+    # Thread knobs are searched up to the cores this machine has.
+    many = build_space({**HW, "cpu_cores": 64})
+    assert many.space_hash() != h
+    assert build_space(HW).param("execution.host_expert_threads").high == 2
 
 
 def test_pinned_and_inert_knobs_leave_the_space():
