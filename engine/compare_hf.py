@@ -60,6 +60,7 @@ def _engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     while any(not s.decoding for s in engine.running) or engine.waiting:
         engine.step()
     first = time.perf_counter() - t0
+    engine.model.stats.reset()  # the roofline counts the experts that decode steps actually touch
     steps = []
     while engine.has_work:
         steps.append(engine.step().duration_s)
@@ -95,9 +96,11 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
         for name in engines:
             row[f"{name}_decode_x"] = row[f"{name}_decode_tokens_per_s"] / row["transformers_decode_tokens_per_s"]
             row[f"{name}_prefill_x"] = row[f"{name}_prefill_tokens_per_s"] / row["transformers_prefill_tokens_per_s"]
-        stored_bytes = torch.finfo(engines["engine_same_dtype"].dtype).bits // 8
-        touched = engines["engine_same_dtype"].model.stats.mean_distinct() or None
-        row["roofline_decode_tokens_per_s"] = b * bw * 1e9 / spec.weight_bytes_touched(b, stored_bytes, touched)
+        for name, eng in engines.items():
+            dtype_bytes = torch.finfo(eng.dtype).bits // 8
+            touched = eng.model.stats.mean_distinct() or None
+            row[f"{name}_roofline_decode_tokens_per_s"] = (
+                b * bw * 1e9 / spec.weight_bytes_touched(b, dtype_bytes, touched))
         rows.append(row)
     return {"model": str(path), "arch": spec.arch, "checkpoint_dtype": str(hf.dtype).replace("torch.", ""),
             "engines": {n: str(e.dtype).replace("torch.", "") for n, e in engines.items()},
@@ -167,11 +170,12 @@ def main(args: argparse.Namespace) -> int:
           f"memory read bandwidth {res['mem_bw_gb_per_s']:.1f} GB/s")
     names = ["transformers"] + list(res["engines"])
     for row in res["rows"]:
-        print(f"batch {row['batch']}: roofline decode {row['roofline_decode_tokens_per_s']:.1f} tok/s")
+        print(f"batch {row['batch']}:")
         for n in names:
             dt = res["checkpoint_dtype"] if n == "transformers" else res["engines"][n]
             extra = "" if n == "transformers" else (f"  ({row[f'{n}_prefill_x']:.2f}x prefill, "
-                                                    f"{row[f'{n}_decode_x']:.2f}x decode)")
+                                                    f"{row[f'{n}_decode_x']:.2f}x decode; roofline "
+                                                    f"{row[f'{n}_roofline_decode_tokens_per_s']:.1f} tok/s)")
             print(f"  {n:<18} {dt:<9} prefill {row[f'{n}_prefill_tokens_per_s']:8.1f} tok/s  "
                   f"decode {row[f'{n}_decode_tokens_per_s']:7.1f} tok/s{extra}")
     if args.staggered:
