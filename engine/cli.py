@@ -199,10 +199,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     res = run_sweep(engine, sweep, args.batch, args.prompt_len, args.new_tokens, args.repeats, args.quality_prompts)
     print(f"model {res['model']} ({res['compute_dtype']}), batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality vs the fp32 reference")
-    print(_table(res["rows"], ["knob", "value", "prefill_tokens_per_s", "decode_tokens_per_s", "rss_gib",
+    print(_table(res["rows"], ["knob", "value", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_gib",
                                "fast_tier_expert_gib", "bytes_to_fast", "host_expert_calls", "top1_agreement",
                                "mean_kl", "error"],
-                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "rss_gib": ".2f",
+                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "peak_rss_gib": ".2f",
                   "fast_tier_expert_gib": ".3f", "top1_agreement": ".3f", "mean_kl": ".2e"}))
     if args.json:
         print(json.dumps(res))

@@ -176,7 +176,7 @@ class Engine:
             self.add(f"warmup-{start}", ids[start: start + 256], 1)
         while self.has_work:
             self.step()
-        counts = np.stack([self.model.stats.counts[layer].cpu().numpy() for layer in self.spec.moe_layers])
+        counts = np.stack([self.model.stats.counts[layer].numpy() for layer in self.spec.moe_layers])
         self.model.stats.reset()
         self.set_hotness(counts / np.maximum(counts.sum(axis=1, keepdims=True), 1))
 

@@ -18,6 +18,27 @@ from engine.quality import evaluate, synthetic_prompts
 from engine.runtime import Engine
 
 
+def _reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of this process's resident memory (Linux; no-op elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes(proc: psutil.Process) -> int:
+    """Peak resident memory since the last reset (VmHWM), or the current RSS where unavailable."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return proc.memory_info().rss
+
+
 def default_sweep(engine: Engine) -> dict[str, list[Any]]:
     """Values per knob; budgets are fractions of the model's expert bytes (so they fit any model)."""
     spec = engine.spec
@@ -55,6 +76,7 @@ def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_le
     rows = []
     for knob, values in sweep.items():
         for value in values:
+            _reset_peak_rss()
             try:
                 cfg = _apply(base, knob, value)
                 engine.reconfigure(cfg)
@@ -70,7 +92,7 @@ def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_le
                 "knob": knob, "value": str(value), "config_hash": cfg.config_hash(),
                 "prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in runs),
                 "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
-                "rss_gib": proc.memory_info().rss / 2**30,
+                "peak_rss_gib": _peak_rss_bytes(proc) / 2**30,
                 "fast_tier_expert_gib": (engine.model.hybrid.fast_bytes() / 2**30
                                          if engine.model.hybrid is not None else None),
                 "bytes_to_fast": tiers.get("bytes_to_fast", 0),

@@ -160,11 +160,11 @@ class MoEStats:
         """Mean number of distinct experts one MoE layer ran per step."""
         return self.distinct_experts / self.layer_calls if self.layer_calls else 0.0
 
-    def add(self, layer: int, expert_ids: torch.Tensor, n_experts: int) -> None:
-        flat = expert_ids.reshape(-1)
-        c = torch.bincount(flat[flat >= 0], minlength=n_experts)
+    def add(self, layer: int, counts: list[int]) -> None:
+        """Record one step of one layer: ``counts[e]`` tokens routed to expert e (already on the host)."""
+        c = torch.tensor(counts)
         self.layer_calls += 1
-        self.distinct_experts += int((c > 0).sum())
+        self.distinct_experts += sum(1 for n in counts if n)
         self.last[layer] = c
         if layer in self.counts:
             self.counts[layer] += c
@@ -362,18 +362,50 @@ class MoEDecoder:
         spec = self.spec
         t = h.shape[0]
         weights, ids = self.route(lw, h)
-        k = ids.shape[1]
-        self.stats.add(i, ids, spec.n_experts)
         if self.record_routes:
             self.routes.append(RouteRecord(i, ids, weights))
         if self.hybrid is not None:
+            flat = ids.reshape(-1)
+            self.stats.add(i, torch.bincount(flat[flat >= 0], minlength=spec.n_experts).tolist())
             out = self.hybrid.forward(i, h, weights, ids)
             if lw.shared_w13 is not None:
                 out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
             return out
+        if t == 1 and self.device.type == "cpu":
+            out = self._moe_one_token(i, lw, h, weights, ids)
+        else:
+            out = self._moe_grouped(i, lw, h, weights, ids)
+        if lw.shared_w13 is not None:
+            shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
+            out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
+        return out
+
+    def _moe_one_token(self, i: int, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """One token (batch-1 decode): its k experts in turn, no grouping machinery (a third fewer ops)."""
+        spec = self.spec
+        experts = ids[0].tolist()
+        gates = weights[0].tolist()
+        counts = [0] * spec.n_experts
+        inter = spec.expert_intermediate
+        out = None
+        for e, g in zip(experts, gates, strict=True):
+            counts[e] += 1
+            gu = F.linear(h, lw.w13[e])  # [1, 2I]
+            y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.w2[e])  # [1, H]
+            out = y.mul_(g) if out is None else out.add_(y, alpha=g)
+        self.stats.add(i, counts)
+        return out
+
+    def _moe_grouped(self, i: int, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+        """Every expert with tokens runs them as one product (coalesced); tokens sorted by expert."""
+        spec = self.spec
+        t, k = ids.shape
         flat = ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
+        self.stats.add(i, counts)
         xs = h.index_select(0, order // k)  # [T*K, H] grouped by expert
         ys = torch.empty_like(xs)
         inter = spec.expert_intermediate
@@ -391,11 +423,7 @@ class MoEDecoder:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         y = ys.index_select(0, inverse).view(t, k, -1)  # [T, K, H]
-        out = torch.bmm(weights.to(self.dtype)[:, None, :], y)[:, 0]  # [T, H]
-        if lw.shared_w13 is not None:
-            shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
-            out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
-        return out
+        return torch.bmm(weights.to(self.dtype)[:, None, :], y)[:, 0]  # [T, H]
 
 
 class _AttentionPlan:

@@ -86,3 +86,17 @@ def test_bad_config_file(tmp_path, model_dir, capsys):
     assert main(["generate", "--model", model_dir, "--prompt-ids", "1", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'scheduler.max_batch_size'" in err and str(cfg) in err
+
+
+def test_sweep_and_eval_json(model_dir, capsys):
+    assert main(["sweep", "--model", model_dir, "--knobs", "top_k_override,expert_batching", "--batch", "2",
+                 "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1", "--quality-prompts", "2", "--json"]) == 0
+    res = last_json(capsys)
+    by = {(r["knob"], r["value"]): r for r in res["rows"]}
+    assert by[("top_k_override", "0")]["top1_agreement"] == 1.0  # the model's own routing
+    assert by[("top_k_override", "1")]["mean_kl"] > 0  # fewer experts: a measured change
+    assert ("expert_batching", "micro:4") in by
+    assert all(r["decode_tokens_per_s"] > 0 and r["peak_rss_gib"] > 0 for r in res["rows"])
+    assert main(["eval", "--model", model_dir, "--hi-precision", "int8", "--max-prompts", "2", "--json"]) == 0
+    q = last_json(capsys)
+    assert 0.5 < q["top1_agreement"] <= 1.0 and q["mean_kl"] >= 0 and q["prompts"] == 2
