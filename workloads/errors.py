@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 class WorkloadError(ValueError):
@@ -42,3 +45,16 @@ def workload_error(file: str | Path | None, problem: str, *, line: int | None = 
     parts.append(" ".join(problem.split()))  # keep the message on one line
     return WorkloadError(": ".join(parts), file=None if file is None else str(file), line=line,
                          field=field)
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed value)`` for each non-blank line of a JSON-lines file; bad JSON is a
+    one-line :class:`WorkloadError` naming the file and the line."""
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise workload_error(path, f"not valid JSON ({e.msg}, column {e.colno})", line=line_no) from None

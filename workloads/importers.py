@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.errors import WorkloadError, workload_error
+from workloads.errors import WorkloadError, json_lines, workload_error
 from workloads.schema import Request, Workload, n_blocks
 
 log = logging.getLogger(__name__)
@@ -276,28 +276,21 @@ def read_mooncake(path: Path, options: ImportOptions, dropped: Counter[str],
                   notes: dict[str, Any]) -> Iterator[_Row]:
     """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` (512-token blocks)."""
     mismatched = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise workload_error(path, f"not valid JSON ({e.msg}, column {e.colno})", line=line_no) from None
-            if not isinstance(obj, dict):
-                raise workload_error(path, "must be a JSON object", line=line_no)
-            arrival_ms = _json_number(path, line_no, obj, "timestamp", integer=False)
-            prompt_len = int(_json_number(path, line_no, obj, "input_length", integer=True))
-            output_len = int(_json_number(path, line_no, obj, "output_length", integer=True))
-            hash_ids = obj.get("hash_ids")
-            if hash_ids is not None:
-                if not isinstance(hash_ids, list) or not all(
-                        isinstance(h, int) and not isinstance(h, bool) for h in hash_ids):
-                    raise workload_error(path, "must be a list of integers", line=line_no, field="hash_ids")
-                if len(hash_ids) != n_blocks(prompt_len):
-                    mismatched += 1
-                hash_ids = hash_ids[:n_blocks(prompt_len)]
-            yield _Row(arrival_ms / 1000.0, prompt_len, output_len, f"mooncake-{line_no}", hash_ids=hash_ids)
+    for line_no, obj in json_lines(path):
+        if not isinstance(obj, dict):
+            raise workload_error(path, "must be a JSON object", line=line_no)
+        arrival_ms = _json_number(path, line_no, obj, "timestamp", integer=False)
+        prompt_len = int(_json_number(path, line_no, obj, "input_length", integer=True))
+        output_len = int(_json_number(path, line_no, obj, "output_length", integer=True))
+        hash_ids = obj.get("hash_ids")
+        if hash_ids is not None:
+            if not isinstance(hash_ids, list) or not all(
+                    isinstance(h, int) and not isinstance(h, bool) for h in hash_ids):
+                raise workload_error(path, "must be a list of integers", line=line_no, field="hash_ids")
+            if len(hash_ids) != n_blocks(prompt_len):
+                mismatched += 1
+            hash_ids = hash_ids[:n_blocks(prompt_len)]
+        yield _Row(arrival_ms / 1000.0, prompt_len, output_len, f"mooncake-{line_no}", hash_ids=hash_ids)
     if mismatched:
         log.warning("%s: %d rows have a hash_ids count that differs from ceil(input_length / 512)",
                     path, mismatched)

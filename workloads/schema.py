@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
-from workloads.errors import WorkloadError, workload_error
+from workloads.errors import WorkloadError, json_lines, workload_error
 
 if TYPE_CHECKING:
     from workloads.router import RouterTrace
@@ -386,21 +386,13 @@ def _load_dir(path: Path) -> Workload:
 def _read_requests(path: Path, *, require_id: bool) -> list[Request]:
     requests: list[Request] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise workload_error(path, f"not valid JSON ({e.msg}, column {e.colno})", line=line_no) from e
-            request = _request_from_json(obj, path, line_no, require_id=require_id,
-                                         default_id=str(len(requests)))
-            if request.request_id in seen:
-                raise workload_error(path, f"{request.request_id!r} repeats the id on line "
-                                     f"{seen[request.request_id]}", line=line_no, field="request_id")
-            seen[request.request_id] = line_no
-            requests.append(request)
+    for line_no, obj in json_lines(path):
+        request = _request_from_json(obj, path, line_no, require_id=require_id, default_id=str(len(requests)))
+        if request.request_id in seen:
+            raise workload_error(path, f"{request.request_id!r} repeats the id on line "
+                                 f"{seen[request.request_id]}", line=line_no, field="request_id")
+        seen[request.request_id] = line_no
+        requests.append(request)
     return requests
 
 
