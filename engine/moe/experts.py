@@ -69,6 +69,14 @@ class ExpertVersion:
         return F.linear(x, self.w2) if isinstance(self.w2, torch.Tensor) else _quant().qlinear(x, self.w2)
 
 
+def _record_stream(v: ExpertVersion, stream: torch.cuda.Stream) -> None:
+    """Tell the CUDA caching allocator that ``stream`` uses the version's memory too."""
+    for w in (v.w13, v.w2):
+        for t in ((w,) if isinstance(w, torch.Tensor) else (w.data, w.scales)):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
+
+
 @contextmanager
 def _null() -> Iterator[None]:
     yield
@@ -88,11 +96,11 @@ def expert_nbytes(hidden: int, inter: int, precision: str, group_size: int) -> i
 
 
 def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: torch.device, group_size: int,
-                 pin: bool = False) -> ExpertVersion:
+                 pin: bool = False, non_blocking: bool = False) -> ExpertVersion:
     """Build a version of an expert in ``precision`` on ``device`` from float weights."""
     if precision in _FLOAT:
-        a = w13.to(device=device, dtype=_FLOAT[precision], copy=True)
-        b = w2.to(device=device, dtype=_FLOAT[precision], copy=True)
+        a = w13.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
+        b = w2.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
         if pin and device.type == "cpu" and torch.cuda.is_available():
             a, b = a.pin_memory(), b.pin_memory()
         return ExpertVersion(a, b, precision, device, a.numel() * a.element_size() + b.numel() * b.element_size())
@@ -161,6 +169,7 @@ class HybridExperts:
         self._pending: list[Future] = []
         self._host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-host-experts")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._replica_streams: list[torch.cuda.Stream] = []
         self.inert: dict[str, str] = {}
         self.expert_stream = self._sm_partition_stream()
         self.bytes_hi = expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.hi, self.group)
@@ -421,6 +430,7 @@ class HybridExperts:
         li = self.layer_index[layer]
         cache = self.state.cache
         host_jobs: list[tuple[int, int, Future]] = []
+        fetches: list[tuple[slice, ExpertVersion]] = []
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -450,13 +460,15 @@ class HybridExperts:
                     ys[seg] = self._run(v, xs[seg])
                 else:
                     self.stats.replica_calls += len(copies) - 1
-                    for c, part in zip(copies, split_slices(n, len(copies)), strict=True):
-                        rows = slice(seg.start + part.start, seg.start + part.stop)
-                        ys[rows] = self._run(c, xs[rows])
+                    self._run_replicas(copies, xs, ys, seg, n)
                 continue
             where = decide(n, self.bytes_host, self.config.execution.missing_expert, self.cost)
             if where == "fetch":
                 self.stats.expert_calls_fetched += 1
+                if self.copy_stream is not None:
+                    # The copy runs on its own stream while this step's resident experts compute.
+                    fetches.append((seg, self._fetch_async(layer, e)))
+                    continue
                 fetched = self._version(layer, e, self.hi)
                 self.stats.bytes_to_fast += fetched.nbytes
                 ys[seg] = self._run(fetched, xs[seg])
@@ -470,6 +482,13 @@ class HybridExperts:
                 else:
                     with self._host_threads():
                         ys[seg] = self._run(host, xs[seg])
+        if fetches:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.copy_stream)
+            for seg, fetched in fetches:
+                _record_stream(fetched, cur)  # allocated on the copy stream, read on this one
+                self.stats.bytes_to_fast += fetched.nbytes
+                ys[seg] = self._run(fetched, xs[seg])
         for a, b, fut in host_jobs:
             ys[a:b] = fut.result().to(self.device, non_blocking=True)
         # Back to token order; weighted sum over each token's (kept) experts.
@@ -478,6 +497,32 @@ class HybridExperts:
         full.index_copy_(0, order, ys)
         w = torch.where(valid, w, torch.zeros_like(w))
         return torch.bmm(w.view(t, 1, k), full.view(t, k, -1))[:, 0]
+
+    def _fetch_async(self, layer: int, expert: int) -> ExpertVersion:
+        """Start copying an expert to the device on the copy stream (pinned source: asynchronous)."""
+        host = self.handles[layer][expert].host
+        with torch.cuda.stream(self.copy_stream):
+            return make_version(host.w13, host.w2, self.hi, self.device, self.group, non_blocking=True)
+
+    def _run_replicas(self, copies: tuple[ExpertVersion, ...], xs: torch.Tensor, ys: torch.Tensor, seg: slice,
+                      n: int) -> None:
+        """Split an expert's tokens across its copies; on a GPU each copy runs on its own stream."""
+        parts = split_slices(n, len(copies))
+        if self.device.type != "cuda":
+            for c, part in zip(copies, parts, strict=True):
+                rows = slice(seg.start + part.start, seg.start + part.stop)
+                ys[rows] = self._run(c, xs[rows])
+            return
+        cur = torch.cuda.current_stream(self.device)
+        while len(self._replica_streams) < len(copies):
+            self._replica_streams.append(torch.cuda.Stream(self.device))
+        for c, part, stream in zip(copies, parts, self._replica_streams, strict=False):
+            rows = slice(seg.start + part.start, seg.start + part.stop)
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                ys[rows] = self._run(c, xs[rows])
+        for stream in self._replica_streams[: len(copies)]:
+            cur.wait_stream(stream)
 
     def _host_call(self, v: ExpertVersion, x: torch.Tensor) -> torch.Tensor:
         with self._host_threads():
