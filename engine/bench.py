@@ -18,6 +18,22 @@ from engine.calibrate import memory_bandwidth_gbps
 from engine.runtime import Engine
 
 
+def prefill_then_decode(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+    """Prefill every prompt (timed as a whole), then decode them together; returns (prefill seconds,
+    seconds of each decode step). Expert counts are reset in between, so they describe decode alone."""
+    for i, p in enumerate(prompts):
+        engine.add(str(i), p, new_tokens)
+    t = time.perf_counter()
+    while any(not s.decoding for s in engine.running) or engine.waiting:
+        engine.step()
+    prefill_s = time.perf_counter() - t
+    engine.model.stats.reset()
+    steps: list[float] = []
+    while engine.has_work:
+        steps.append(engine.step().duration_s)
+    return prefill_s, steps
+
+
 def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict[str, Any]:
     """Measure one batch size; returns prefill and decode rates and the decode roofline."""
     g = torch.Generator().manual_seed(seed + batch)
@@ -29,17 +45,7 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
         max_batch_tokens=max(cfg.max_batch_tokens, batch, cfg.prefill_chunk_tokens),
         max_seq_len_tokens=max(cfg.max_seq_len_tokens, prompt_len + new_tokens + 1))
     engine.reconfigure(needed)
-    for i, p in enumerate(prompts):
-        engine.add(str(i), p, new_tokens)
-    t = time.perf_counter()
-    while any(not s.decoding for s in engine.running) or engine.waiting:
-        engine.step()
-    prefill_s = time.perf_counter() - t
-    engine.model.stats.reset()
-    step_s: list[float] = []
-    while engine.has_work:
-        out = engine.step()
-        step_s.append(out.duration_s)
+    prefill_s, step_s = prefill_then_decode(engine, prompts, new_tokens)
     touched = engine.model.stats.mean_distinct()  # measured: distinct experts per MoE layer per step
     dtype_bytes = torch.finfo(engine.dtype).bits // 8
     bytes_per_step = engine.spec.weight_bytes_touched(batch, dtype_bytes, touched)

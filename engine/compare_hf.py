@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.bench import prefill_then_decode
 from engine.calibrate import memory_bandwidth_gbps
 from engine.config import EngineConfig
 from engine.model.maker import resolve_model
@@ -54,17 +55,7 @@ def _engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     engine.reconfigure(engine.config.replace(
         max_batch_seqs=max(len(prompts), 1), max_batch_tokens=max(4096, len(prompts)),
         prefill_chunk_tokens=4096))
-    for i, p in enumerate(prompts):
-        engine.add(str(i), p, new_tokens)
-    t0 = time.perf_counter()
-    while any(not s.decoding for s in engine.running) or engine.waiting:
-        engine.step()
-    first = time.perf_counter() - t0
-    engine.model.stats.reset()  # the roofline counts the experts that decode steps actually touch
-    steps = []
-    while engine.has_work:
-        steps.append(engine.step().duration_s)
-    return first, steps
+    return prefill_then_decode(engine, prompts, new_tokens)
 
 
 def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
-        return stored if stored != torch.float32 else torch.float32
+        return stored  # GPUs have native bf16/fp16 products
     return cpu_compute_dtype(stored, hidden, inter)
 
 
@@ -203,6 +203,8 @@ class Engine:
         if ((config.runtime.device, config.runtime.compute_dtype) != (old.runtime.device, old.runtime.compute_dtype)
                 or self._expert_device(config) != self.expert_device):
             hotness = self.hotness
+            if self.model.hybrid is not None:
+                self.model.hybrid.close()  # its copier and host-compute threads go with the old weights
             self.__init__(self.model_path, config)  # a different device or precision needs the weights again
             if hotness is not None:
                 self.set_hotness(hotness)
