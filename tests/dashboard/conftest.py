@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +32,6 @@ from streamlit.testing.v1 import AppTest
 from db.models import Study, Trial, Workload
 from db.session import make_engine, session_scope
 from db.store import start_trial
-from db.testing import PostgresUnavailable, start_postgres
 from engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,16 +102,6 @@ def altered(seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> SimpleNames
     db.dispose()
     return SimpleNamespace(url=url, study=seed.live)
 
-
-@pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The superuser URL of a private PostgreSQL server (skips the test without the binaries)."""
-    try:
-        url, stop = start_postgres(tmp_path_factory.mktemp("pg"))
-    except PostgresUnavailable as e:
-        pytest.skip(str(e))
-    yield url
-    stop()
 
 
 @pytest.fixture

@@ -9,21 +9,8 @@ import pytest
 from sqlalchemy import Engine
 
 from db.session import make_engine, upgrade
-from db.testing import PostgresUnavailable, create_database, start_postgres
+from db.testing import create_database
 from engine.results import ExpertStat, RequestResult, RunResult, StepRecord, TelemetrySample
-
-
-@pytest.fixture(scope="session")
-def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The superuser URL of a PostgreSQL server started for this test session."""
-    try:
-        url, stop = start_postgres(tmp_path_factory.mktemp("pg"))
-    except PostgresUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        yield url
-    finally:
-        stop()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import optuna
-import pytest
 from sqlalchemy import select
 
 from db.models import RequestRow, Study, Trial
 from db.session import make_engine, session_scope
-from db.testing import PostgresUnavailable, create_database, start_postgres
+from db.testing import create_database
 from tuner.cli import main
-
-
-@pytest.fixture(scope="module")
-def pg_server(tmp_path_factory):
-    try:
-        url, stop = start_postgres(tmp_path_factory.mktemp("pg"))
-    except PostgresUnavailable as e:
-        pytest.skip(str(e))
-    yield url
-    stop()
 
 
 def test_study_on_postgresql(pg_server, capsys, kit):
