@@ -47,7 +47,7 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
     engine.reconfigure(needed)
     prefill_s, step_s = prefill_then_decode(engine, prompts, new_tokens)
     touched = engine.model.stats.mean_distinct()  # measured: distinct experts per MoE layer per step
-    dtype_bytes = torch.finfo(engine.dtype).bits // 8
+    dtype_bytes = engine.weight_dtype.itemsize  # the bytes the products read, as the weights are kept
     bytes_per_step = engine.spec.weight_bytes_touched(batch, dtype_bytes, touched)
     bw = memory_bandwidth_gbps()
     step_med = statistics.median(step_s) if step_s else float("nan")
@@ -85,6 +85,8 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
         rows.append(row)
     return {"model": str(engine.model_path), "arch": engine.spec.arch, "device": str(engine.device),
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
+            "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
+            "cpu_kernels": engine.kernels_label,
             "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "weight_bytes": engine.model.weight_bytes(),
             "load_s": engine.load_s, "rows": rows}

@@ -149,7 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
-          f"{res['compute_dtype']} (stored {res['checkpoint_dtype']}) on {res['device']}, {res['threads']} threads; "
+          f"{res['weight_dtype']} (stored {res['checkpoint_dtype']}), {res['compute_dtype']} products by "
+          f"{res['cpu_kernels']} kernels on {res['device']}, {res['threads']} threads; "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
     print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "roofline_decode_tokens_per_s",
                                "roofline_fraction", "achieved_gb_per_s", "mem_bw_gb_per_s",

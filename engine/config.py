@@ -71,6 +71,13 @@ class RuntimeConfig:
         "the faster; checkpoint keeps the stored dtype.",
         search=Search(choices=("auto", "checkpoint", "float32")),
     )
+    cpu_kernels: Literal["auto", "native", "torch"] = knob(
+        "auto",
+        "CPU products of fp32 activations: native = moetune's compiled kernels read bf16/fp16 weights as "
+        "stored (half the bytes of fp32); torch = PyTorch only, weights widened to the compute dtype; "
+        "auto = native when it builds here.",
+        search=Search(choices=("auto", "torch")),
+    )
     threads: int = knob(
         0, "Host threads for PyTorch ops (0 = every core this process may use).", min=0, max=1024)
     seed: int = knob(0, "Seed for sampling and for synthesised prompt tokens.", min=0, max=2**31 - 1)

@@ -176,6 +176,8 @@ def run_meta(engine: Engine, workload: Workload, mode: str, rate_scale: float) -
         "config_hash": engine.config.config_hash(),
         "device": str(engine.device),
         "compute_dtype": str(engine.dtype).replace("torch.", ""),
+        "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
+        "cpu_kernels": engine.kernels_label,
         # Tiers are distinct only with an accelerator; elsewhere the hybrid code runs on host memory alone.
         "hybrid": engine.device.type == "cuda" and engine.model.hybrid is not None,
         "inert_knobs": {**inert_knobs(engine.device.type == "cuda"),

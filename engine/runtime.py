@@ -83,6 +83,21 @@ def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int
     return cpu_compute_dtype(stored, hidden, inter)
 
 
+def pick_weight_dtype(choice: str, compute: torch.dtype, stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the weight matrices are kept in: the stored half precision where the native CPU kernels
+    compute fp32 products straight from it (``runtime.cpu_kernels``), else the compute dtype."""
+    from engine import kernels
+
+    if device.type != "cpu" or compute != torch.float32 or stored not in kernels.HALF_DTYPES or choice == "torch":
+        return compute
+    if kernels.load() is None:
+        if choice == "native":
+            raise ConfigError(f"runtime.cpu_kernels='native': the kernels cannot be built here "
+                              f"({kernels.status()['error']}); use 'auto' or 'torch'")
+        return compute
+    return stored
+
+
 def is_plain(config: EngineConfig) -> bool:
     """True when no hybrid knob departs from "every expert resident, as loaded, coalesced"."""
     r, x, ro = config.experts, config.execution, config.routing
@@ -90,6 +105,12 @@ def is_plain(config: EngineConfig) -> bool:
             and x.expert_batching == "coalesced" and x.host_expert_threads == 0 and x.expert_sm_share == 1.0
             and ro.top_k_override == 0
             and ro.min_gate_weight == 0.0)
+
+
+def weights_key(config: EngineConfig) -> tuple[str, str, str]:
+    """The knobs that decide how the weights are loaded: a change of any of them reloads them."""
+    rt = config.runtime
+    return rt.device, rt.compute_dtype, rt.cpu_kernels
 
 
 def fast_tier_bytes(device: torch.device) -> int:
@@ -118,16 +139,26 @@ class Engine:
         self.config.validate_for(self.spec, fast_tier_bytes(self.device))
         self.dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, self.device, self.spec.hidden_size,
                                 self.spec.expert_intermediate)
+        self.weight_dtype = pick_weight_dtype(rt.cpu_kernels, self.dtype, self.ckpt.dtype, self.device)
         self.expert_device = self._expert_device(self.config)
         t = time.perf_counter()
-        self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device)
+        self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device, self.weight_dtype)
         self.load_s = time.perf_counter() - t
         self.fingerprint = self.ckpt.fingerprint()
-        log.info("loaded %s (%s, %s on %s) in %.1fs", self.model_path, self.spec.arch, self.dtype, self.device,
-                 self.load_s)
+        log.info("loaded %s (%s, %s products of %s weights on %s) in %.1fs", self.model_path, self.spec.arch,
+                 self.dtype, self.weight_dtype, self.device, self.load_s)
         self.hotness = None
         self._setup_experts()
         self._reset_runtime()
+
+    @property
+    def kernels_label(self) -> str:
+        """Which products run: "native (avx512)" (engine.kernels) or "torch"."""
+        if not self.model.native:
+            return "torch"
+        from engine import kernels
+
+        return f"native ({kernels.status()['isa']})"
 
     def _expert_device(self, config: EngineConfig) -> torch.device:
         # With a GPU and partial residency, all experts load to host memory and the plan copies some up.
@@ -200,8 +231,7 @@ class Engine:
         old = self.config
         config.validate()
         config.validate_for(self.spec, fast_tier_bytes(self.device))
-        if ((config.runtime.device, config.runtime.compute_dtype) != (old.runtime.device, old.runtime.compute_dtype)
-                or self._expert_device(config) != self.expert_device):
+        if (weights_key(config) != weights_key(old) or self._expert_device(config) != self.expert_device):
             hotness = self.hotness
             if self.model.hybrid is not None:
                 self.model.hybrid.close()  # its copier and host-compute threads go with the old weights

@@ -31,18 +31,21 @@ class MemoryEstimate:
         return self.weights_bytes + self.kv_cache_bytes + self.activations_bytes
 
 
-def estimate_memory(spec: Any, config: Any, dtype_bytes: int, *, reload_weights: bool) -> MemoryEstimate:
+def estimate_memory(spec: Any, config: Any, dtype_bytes: int, *, reload_weights: bool,
+                    weight_dtype_bytes: int | None = None) -> MemoryEstimate:
     """What ``config`` (an ``EngineConfig``) adds to the process on top of what it holds now.
 
-    ``spec`` is the model's ``ModelSpec``; ``reload_weights`` says the precision changes, so a
-    second copy of the weights exists while the new one loads.
+    ``spec`` is the model's ``ModelSpec``; ``dtype_bytes`` the compute dtype's (KV cache) and
+    ``weight_dtype_bytes`` the weights' (the same unless native kernels read half-precision weights);
+    ``reload_weights`` says the precision changes, so a second copy of the weights exists while the new
+    one loads.
     """
     s = config.scheduler
     kv = spec.kv_bytes_per_token(dtype_bytes) * s.max_batch_seqs * s.max_seq_len_tokens
     acts = s.max_batch_tokens * (_ACTIVATION_HIDDEN_UNITS * spec.hidden_size
                                  + spec.top_k * spec.expert_intermediate * 3) * 4
     acts += min(s.max_batch_seqs, s.max_batch_tokens) * spec.vocab_size * 4  # logits
-    weights = spec.total_params() * dtype_bytes if reload_weights else 0
+    weights = spec.total_params() * (weight_dtype_bytes or dtype_bytes) if reload_weights else 0
     return MemoryEstimate(int(weights), int(kv * KV_GROWTH_PEAK), int(acts))
 
 

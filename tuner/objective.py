@@ -26,7 +26,7 @@ import torch
 from db.store import stable_hash
 from engine.config import ConfigError, EngineConfig
 from engine.runner import run_workload
-from engine.runtime import Engine, pick_dtype
+from engine.runtime import Engine, pick_dtype, weights_key
 from tuner.feasibility import estimate_memory, memory_problem
 from tuner.metrics import objective_values, trial_metrics
 from tuner.record import Recorder
@@ -224,20 +224,21 @@ class Objective:
     def _memory_problem(self, config: EngineConfig) -> str | None:
         e = self.engine
         rt = config.runtime
-        same_weights = (rt.device, rt.compute_dtype) == (e.config.runtime.device, e.config.runtime.compute_dtype)
+        same_weights = weights_key(config) == weights_key(e.config)
         if same_weights:
-            dtype = e.dtype
+            dtype, weight_dtype = e.dtype, e.weight_dtype
         else:
             try:
-                from engine.runtime import pick_device
+                from engine.runtime import pick_device, pick_weight_dtype
 
                 device = pick_device(rt.device)
                 dtype = pick_dtype(rt.compute_dtype, e.ckpt.dtype, device, e.spec.hidden_size,
                                    e.spec.expert_intermediate)
+                weight_dtype = pick_weight_dtype(rt.cpu_kernels, dtype, e.ckpt.dtype, device)
             except ConfigError as err:
                 return str(err)
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        estimate = estimate_memory(e.spec, config, dtype_bytes, reload_weights=not same_weights)
+        estimate = estimate_memory(e.spec, config, dtype.itemsize, reload_weights=not same_weights,
+                                   weight_dtype_bytes=weight_dtype.itemsize)
         if self.memory_limit_bytes is not None:
             available = self.memory_limit_bytes
         elif e.device.type == "cuda":

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.model.arch import ModelSpec, expert_tensor_names, router_name
 from engine.model.checkpoint import Checkpoint
 
@@ -177,12 +178,19 @@ class MoEStats:
 
 
 class MoEDecoder:
-    """Weights of a checkpoint in the compute dtype on one device, and the forward pass."""
+    """Weights of a checkpoint on one device, and the forward pass.
+
+    Activations, norms, routers and the KV cache are in the compute dtype ``dtype``; the weight
+    matrices (embeddings, projections, experts, lm head) in ``weight_dtype``, which differs only where
+    the native CPU kernels compute fp32 products straight from bf16/fp16 weights (:mod:`engine.kernels`).
+    """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 expert_device: torch.device | None = None):
+                 expert_device: torch.device | None = None, weight_dtype: torch.dtype | None = None):
         self.spec: ModelSpec = ckpt.spec
         self.dtype = dtype
+        self.weight_dtype = weight_dtype or dtype
+        self.native = self.weight_dtype != dtype  # products through engine.kernels
         self.device = device
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
         self.expert_device = expert_device or device
@@ -196,9 +204,11 @@ class MoEDecoder:
         self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
-        def load(names: list[str]) -> list[torch.Tensor]:
+        def load(names: list[str], matrix_dtype: torch.dtype = self.weight_dtype) -> list[torch.Tensor]:
+            """Matrices in ``matrix_dtype`` (the weight dtype unless told), vectors (norms, biases) in the
+            compute dtype."""
             got = dict(ckpt.tensors(names))
-            return [got[n].to(device=device, dtype=dtype) for n in names]
+            return [got[n].to(device=device, dtype=matrix_dtype if got[n].dim() == 2 else dtype) for n in names]
 
         (self.embed,) = load(["model.embed_tokens.weight"])
         (self.final_norm,) = load(["model.norm.weight"])
@@ -224,10 +234,10 @@ class MoEDecoder:
             g, u, d = load([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"])
             lw.mlp_w13, lw.mlp_w2 = torch.cat([g, u]).contiguous(), d
             return lw
-        (lw.router,) = load([router_name(spec, i)])
-        w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.dtype,
+        (lw.router,) = load([router_name(spec, i)], self.dtype)  # routing is computed in the compute dtype
+        w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.weight_dtype,
                           device=self.expert_device)
-        w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.dtype,
+        w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.weight_dtype,
                          device=self.expert_device)
         inter = spec.expert_intermediate
         names = [list(expert_tensor_names(spec, i, e)) for e in range(spec.n_experts)]
@@ -240,8 +250,8 @@ class MoEDecoder:
         lw.w13, lw.w2 = w13, w2
         if spec.shared_expert_intermediate:
             s = p + "mlp.shared_expert."
-            g, u, d, sg = load([s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight",
-                                p + "mlp.shared_expert_gate.weight"])
+            g, u, d = load([s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight"])
+            (sg,) = load([p + "mlp.shared_expert_gate.weight"], self.dtype)
             lw.shared_w13, lw.shared_w2, lw.shared_gate = torch.cat([g, u]).contiguous(), d, sg
         return lw
 
@@ -256,7 +266,7 @@ class MoEDecoder:
     def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns fp32 logits [S', V] for the segments with ``wants_logits``, in order."""
         spec = self.spec
-        x = self.embed.index_select(0, batch.token_ids)  # [T, H]
+        x = self.embed.index_select(0, batch.token_ids).to(self.dtype)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)  # [T, d]
         plan = _AttentionPlan(batch, cache, cache.device)
         if self.record_routes:
@@ -274,13 +284,13 @@ class MoEDecoder:
             return torch.empty(0, spec.vocab_size)
         xr = x.index_select(0, torch.tensor(rows, device=self.device))
         xr = rms_norm(xr, self.final_norm, spec.rms_eps)
-        return F.linear(xr, self.lm_head).float()  # [S', V]
+        return self._linear(xr, self.lm_head).float()  # [S', V]
 
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
         spec = self.spec
         t = h.shape[0]
-        qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, Q + 2KV]
+        qkv = self._linear(h, lw.wqkv, lw.bqkv)  # [T, Q + 2KV]
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         if spec.qk_norm == "full":
             q = rms_norm(q, lw.q_norm, spec.rms_eps)
@@ -325,12 +335,15 @@ class MoEDecoder:
             out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1).to(out.device)
         if on_host:
             out = out.to(self.device)
-        return F.linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
+        return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.linear(x, w, bias) if self.native else F.linear(x, w, bias)
 
     def _mlp(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(h, w13)  # [T, 2D]
+        gu = self._linear(h, w13)  # [T, 2D]
         d = gu.shape[-1] // 2
-        return F.linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
+        return self._linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
 
     def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over experts in fp32, top-k, optional renormalisation: ([T, K] weights, [T, K] ids).
@@ -371,7 +384,10 @@ class MoEDecoder:
             if lw.shared_w13 is not None:
                 out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
             return out
-        if t == 1 and self.device.type == "cpu":
+        if self.native and lw.w13.device.type == "cpu":
+            self.stats.add(i, _expert_counts(ids, spec.n_experts))
+            out = kernels.moe(h, lw.w13, lw.w2, ids, weights)  # one call: every expert, all threads
+        elif t == 1 and self.device.type == "cpu":
             out = self._moe_one_token(i, lw, h, weights, ids)
         else:
             out = self._moe_grouped(i, lw, h, weights, ids)
@@ -424,6 +440,18 @@ class MoEDecoder:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         y = ys.index_select(0, inverse).view(t, k, -1)  # [T, K, H]
         return torch.bmm(weights.to(self.dtype)[:, None, :], y)[:, 0]  # [T, H]
+
+
+def _expert_counts(ids: torch.Tensor, n_experts: int) -> list[int]:
+    """Tokens routed to each expert in ``ids`` [T, K] (-1 = skipped slot)."""
+    if ids.shape[0] == 1:  # a decode step of one sequence: a few ints, cheaper in Python
+        counts = [0] * n_experts
+        for e in ids[0].tolist():
+            if e >= 0:
+                counts[e] += 1
+        return counts
+    flat = ids.reshape(-1)
+    return torch.bincount(flat[flat >= 0], minlength=n_experts).tolist()
 
 
 class _AttentionPlan:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import EngineConfig
 from engine.model.arch import ModelSpec
 from engine.moe.policy import (
@@ -63,10 +64,10 @@ class ExpertVersion:
     nbytes: int
 
     def linear13(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w13) if isinstance(self.w13, torch.Tensor) else _quant().qlinear(x, self.w13)
+        return kernels.linear(x, self.w13) if isinstance(self.w13, torch.Tensor) else _quant().qlinear(x, self.w13)
 
     def linear2(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w2) if isinstance(self.w2, torch.Tensor) else _quant().qlinear(x, self.w2)
+        return kernels.linear(x, self.w2) if isinstance(self.w2, torch.Tensor) else _quant().qlinear(x, self.w2)
 
 
 def _record_stream(v: ExpertVersion, stream: torch.cuda.Stream) -> None:
@@ -156,7 +157,11 @@ class HybridExperts:
                  cost: CostModel | None):
         self.spec, self.config, self.device, self.dtype, self.cost = spec, config, device, compute_dtype, cost
         r = config.experts
-        self.hi = precision_of(compute_dtype) if r.hi_precision == "auto" else r.hi_precision
+        # The weights as loaded: the compute dtype, or bf16/fp16 that the native CPU kernels read as is.
+        loaded = precision_of(next(iter(w13.values())).dtype)
+        self.native = (compute_dtype == torch.float32 and config.runtime.cpu_kernels != "torch"
+                       and kernels.load() is not None)
+        self.hi = loaded if r.hi_precision == "auto" else r.hi_precision
         self.lo = None if r.lo_precision == "none" else r.lo_precision
         self.group = r.int4_group_size
         self.host_device = torch.device("cpu")
@@ -175,11 +180,10 @@ class HybridExperts:
         self.bytes_hi = expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.hi, self.group)
         self.bytes_lo = (expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.lo, self.group)
                          if self.lo else None)
-        self.bytes_host = expert_nbytes(spec.hidden_size, spec.expert_intermediate, precision_of(compute_dtype),
-                                              self.group)
-        # Host versions: the weights as loaded (compute dtype), in host memory (pinned with a GPU). When
-        # every expert stays resident in the compute precision, the loaded weights are the fast copies.
-        self.all_as_loaded = r.residency == "all" and self.hi == precision_of(compute_dtype)
+        self.bytes_host = expert_nbytes(spec.hidden_size, spec.expert_intermediate, loaded, self.group)
+        # Host versions: the weights as loaded, in host memory (pinned with a GPU). When every expert
+        # stays resident in the loaded precision, the loaded weights are the fast copies.
+        self.all_as_loaded = r.residency == "all" and self.hi == loaded
         self.handles: dict[int, list[ExpertHandle]] = {}
         pin = device.type == "cuda"
         for layer in self.moe_layers:
@@ -190,7 +194,7 @@ class HybridExperts:
                     a, b = a.cpu(), b.cpu()
                 elif pin and a.device.type == "cpu":
                     a, b = a.pin_memory(), b.pin_memory()
-                v = ExpertVersion(a, b, precision_of(compute_dtype), a.device, self.bytes_host)
+                v = ExpertVersion(a, b, loaded, a.device, self.bytes_host)
                 h = ExpertHandle(v)
                 if self.all_as_loaded:
                     h.fast = v
@@ -374,7 +378,10 @@ class HybridExperts:
     def _run(self, v: ExpertVersion, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU expert on version ``v``; x on v's device in the compute dtype."""
         want = _FLOAT.get(v.precision)
-        xin = x if want is None or want == x.dtype else x.to(want)  # a float copy in another precision
+        if want is None or want == x.dtype or (self.native and v.device.type == "cpu" and want in kernels.HALF_DTYPES):
+            xin = x  # same dtype, integer weights, or fp32 products read straight from half weights
+        else:
+            xin = x.to(want)  # a float copy in another precision
         gu = v.linear13(xin)  # [n, 2I]
         inter = gu.shape[-1] // 2
         return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)  # [n, H]

@@ -1,0 +1,173 @@
+"""The native CPU kernels (engine/kernels): fp32 products read from bf16/fp16 weights.
+
+Each op is checked against PyTorch on the same weights widened to fp32 (the kernels' arithmetic is
+an fp32 product; only the summation order differs), on shapes that hit every tile and tail: token
+counts 1..9 around the 4-token register tile, rows not a multiple of 4, inner sizes not a multiple
+of the 16-lane vector. Then the engine: a bf16 checkpoint run with the kernels gives the logits and
+greedy tokens of the same checkpoint run with PyTorch in fp32, with half the weight bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.runtime import Engine
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"native kernels unavailable: {kernels.status()}")
+
+HALF = [torch.bfloat16, torch.float16]
+# fp32 sums of up to a few hundred products in another order: a few ulps of the result's scale.
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _ops():
+    return kernels.load()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows,inner", [(37, 100), (64, 1024), (5, 16), (3, 7)])
+def test_linear_matches_fp32_product(dtype, tokens, rows, inner):
+    g = torch.Generator().manual_seed(tokens * 1000 + rows + inner)
+    x = torch.randn(tokens, inner, generator=g)
+    w = torch.randn(rows, inner, generator=g).to(dtype)
+    b = torch.randn(rows, generator=g)
+    ref = F.linear(x, w.float(), b)
+    torch.testing.assert_close(_ops().linear(x, w, b), ref, rtol=RTOL, atol=ATOL * inner ** 0.5)
+    torch.testing.assert_close(_ops().linear(x, w, None), F.linear(x, w.float()), rtol=RTOL,
+                               atol=ATOL * inner ** 0.5)
+
+
+def test_linear_wrapper_keeps_leading_dims_and_falls_back_for_many_tokens():
+    w = torch.randn(24, 48).bfloat16()
+    x3 = torch.randn(2, 3, 48)
+    torch.testing.assert_close(kernels.linear(x3, w), F.linear(x3, w.float()), rtol=RTOL, atol=1e-4)
+    many = torch.randn(kernels.MAX_NATIVE_TOKENS + 7, 48)  # widened weight, PyTorch's GEMM
+    torch.testing.assert_close(kernels.linear(many, w), F.linear(many, w.float()), rtol=RTOL, atol=1e-4)
+    same = torch.randn(5, 48).bfloat16()  # same dtypes: plain F.linear
+    assert torch.equal(kernels.linear(same, w), F.linear(same, w))
+
+
+def _moe_reference(h, w13, w2, ids, gates):
+    inter = w2.shape[2]
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gu = F.linear(h[t], w13[e].float())
+            out[t] += gates[t, j] * F.linear(F.silu(gu[:inter]) * gu[inter:], w2[e].float())
+    return out
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 40])
+def test_moe_matches_expert_by_expert_reference(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    n_exp, hidden, inter, k = 8, 72, 40, 3  # inter and hidden not multiples of 16: tails everywhere
+    h = torch.randn(tokens, hidden, generator=g)
+    w13 = (torch.randn(n_exp, 2 * inter, hidden, generator=g) / 8).to(dtype)
+    w2 = (torch.randn(n_exp, hidden, inter, generator=g) / 8).to(dtype)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(tokens)])
+    gates = torch.rand(tokens, k, generator=g)
+    ids[0, 1] = -1  # a pruned slot is skipped
+    ref = _moe_reference(h, w13, w2, ids, gates)
+    got = kernels.moe(h, w13, w2, ids, gates)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    listed = _ops().moe_list(h, [w13[e] for e in range(n_exp)], [w2[e] for e in range(n_exp)], ids, gates)
+    assert torch.equal(listed, got)
+
+
+def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
+    h = torch.randn(2, 32)
+    w13 = torch.randn(4, 16, 32).bfloat16()
+    w2 = torch.randn(4, 32, 8).bfloat16()
+    ids = torch.tensor([[0, 2], [2, -1]])
+    gates = torch.rand(2, 2)
+    some = [w13[0], None, w13[2], None]
+    some2 = [w2[0], None, w2[2], None]
+    torch.testing.assert_close(_ops().moe_list(h, some, some2, ids, gates), kernels.moe(h, w13, w2, ids, gates))
+    with pytest.raises(RuntimeError, match="expert 1 which has no weights"):
+        _ops().moe_list(h, some, some2, torch.tensor([[1, 0], [2, 0]]), gates)
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        _ops().linear(x, torch.randn(4, 16), None)
+    with pytest.raises(RuntimeError, match="do not match"):
+        _ops().linear(x, torch.randn(4, 15).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        _ops().linear(x.double(), torch.randn(4, 16).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        _ops().linear(x, torch.randn(4, 16).bfloat16(), torch.randn(3))
+    with pytest.raises(TypeError, match="activations with"):
+        kernels.linear(x.bfloat16(), torch.randn(4, 16).half())
+
+
+def test_status_names_the_isa_and_library():
+    st = kernels.status()
+    assert st["available"] and st["isa"] in ("avx512", "avx2", "scalar")
+    assert os.path.exists(st["library"])
+
+
+# ---------------------------------------------------------------------------------------- engine
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4], [100, 200, 300, 4, 5], [7] * 17]
+
+
+def _prompt_logits(engine: Engine) -> list[torch.Tensor]:
+    from engine.quality import prompt_logits
+
+    return [prompt_logits(engine, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch):
+    path = make_ckpt(arch, dtype="bfloat16", seed=3)
+    base = EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4)
+    native = Engine(path, base.replace(cpu_kernels="native"))
+    torch_ = Engine(path, base.replace(cpu_kernels="torch"))
+    assert native.weight_dtype == torch.bfloat16 and native.model.native
+    assert torch_.weight_dtype == torch.float32 and not torch_.model.native
+    assert native.model.weight_bytes() < 0.6 * torch_.model.weight_bytes()
+    for a, b in zip(_prompt_logits(native), _prompt_logits(torch_), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    assert native.generate(PROMPTS, 8) == torch_.generate(PROMPTS, 8)
+    assert native.kernels_label.startswith("native") and torch_.kernels_label == "torch"
+
+
+def test_hybrid_paths_read_half_weights_natively(make_ckpt):
+    path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=5, experts=16, top_k=4)
+    base = EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4)
+    plain = Engine(path, base).generate(PROMPTS, 6)
+    for knobs in (dict(residency="static", resident_budget_gib=1e-4), dict(expert_batching="micro",
+                                                                          micro_batch_tokens=2)):
+        eng = Engine(path, base.replace(**knobs))
+        assert eng.model.hybrid is not None and eng.model.hybrid.native
+        assert eng.generate(PROMPTS, 6) == plain, knobs
+
+
+def test_native_without_a_compiler_is_a_one_line_error_and_auto_falls_back(make_ckpt, tmp_path):
+    path = make_ckpt("olmoe", dtype="bfloat16")
+    env = {**os.environ, "CXX": "/bin/false", "PATH": "/nonexistent", "MOETUNE_CACHE": str(tmp_path)}
+    engine_cli = [sys.executable, "-c", "import sys; from engine.cli import main; sys.exit(main())"]
+    args = ["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+            "--compute-dtype", "float32"]
+    bad = subprocess.run([*engine_cli, *args, "--cpu-kernels", "native"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "runtime.cpu_kernels='native'" in bad.stderr and "Traceback" not in bad.stderr
+    ok = subprocess.run([*engine_cli, *args, "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "native CPU kernels are unavailable" in ok.stderr
