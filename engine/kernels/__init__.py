@@ -113,6 +113,11 @@ def load():
         return ops
 
 
+def ops():
+    """The loaded ``torch.ops.moetune`` namespace (call only where :func:`load` succeeded)."""
+    return _state.get("ops") or load()
+
+
 def status() -> dict[str, object]:
     """What :func:`load` found: available, isa, library, error."""
     load()

@@ -11,6 +11,12 @@
 //   moe(h[T,H] f32, w13[E,2I,H], w2[E,H,I], ids[T,k] i64 (-1 = skipped), gates[T,k] f32) -> [T,H] f32
 //   moe_list: moe with the experts given as lists of per-expert [2I,H] and [H,I] tensors
 //   (undefined entries for experts no token routes to).
+// and the small fp32 steps between the products, fused so that a decode step of one token is a few
+// calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
+//   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
+//   qk_rope(qkv[T, Q+2KV], ...) -> q[T,Hq,d], k[T,KV,d], v[T,KV,d]: q/k norms, clipping, rotary
+//   route(logits[T,E], k, renorm) -> (gates[T,k], ids[T,k]): softmax, top-k, renormalisation
+//   decode_attention(q[B,Hq,d], kcache, vcache[S,KV,L,d], slots[B], lens[B], window, scale) -> [B,Hq,d]
 //
 // Built on first use by engine/kernels/__init__.py with the system C++ compiler and -march=native;
 // threads come from PyTorch's OpenMP pool (torch.set_num_threads).
@@ -18,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -27,13 +34,14 @@
 #endif
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-constexpr int64_t kPrefetch = 512;  // weights ahead of the current one
 
 struct Bf16 {};
 struct F16 {};
@@ -104,8 +112,11 @@ inline void dots(const uint16_t* const* w, const float* const* x, int64_t K, flo
     for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    if ((k & 31) == 0)  // one prefetch per 64-byte line of each row, 1 KiB ahead: more reads in flight
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + kPrefetch);
+    // One prefetch per 64-byte line: the same line of the next tile's rows (rows are contiguous, K
+    // apart), so each row's stream is in flight a tile ahead. Measured on the 2-core Ice Lake: 15-17
+    // -> 19-24 GB/s; a fixed 1 KiB ahead gained nothing (it lands in rows already being read).
+    if ((k & 31) == 0)
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + NR * K);
     vec xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = vload(x[t] + k);
     for (int r = 0; r < NR; ++r) {
@@ -158,6 +169,15 @@ void rows_times_tokens(const uint16_t* W, int64_t ldw, int64_t r0, int64_t r1, c
   }
 }
 
+inline float dotf(const float* a, const float* b, int64_t n) {
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 inline const uint16_t* bits(const at::Tensor& w) { return static_cast<const uint16_t*>(w.data_ptr()); }
 
 void check_weight(const at::Tensor& w, const char* what) {
@@ -188,9 +208,22 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const float* bias, at
   });
 }
 
+// fp32 weights (routers: small, kept in fp32): one dot per row and token; PyTorch's GEMM spends
+// ~90 us on the threading of a 1x1024x64 product that reads 256 KiB.
+void linear_f32(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t t = 0; t < T; ++t) yp[t * N + r] = dotf(xp + t * K, wp + r * K, K) + (bias ? bias[r] : 0.f);
+  });
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear");
-  check_weight(w, "linear");
+  if (w.scalar_type() != at::kFloat) check_weight(w, "linear");
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "moetune::linear: weights must be contiguous on the CPU");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "moetune::linear: shapes ", x.sizes(), " and ",
               w.sizes(), " do not match");
   const float* b = nullptr;
@@ -200,7 +233,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     b = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  if (w.scalar_type() == at::kBFloat16)
+  if (w.scalar_type() == at::kFloat)
+    linear_f32(x, w, b, y);
+  else if (w.scalar_type() == at::kBFloat16)
     linear_impl<Bf16>(x, w, b, y);
   else
     linear_impl<F16>(x, w, b, y);
@@ -348,6 +383,229 @@ at::Tensor moe_list(const at::Tensor& h, const OptTensors& w13_list, const OptTe
                                 : moe_impl<F16>(h, a, b, inter, ids, gates);
 }
 
+// ------------------------------------------------------------------------------ small fused steps
+
+inline void rms_row(const float* x, const float* w, float eps, int64_t D, float* out) {
+  double ss = 0.0;  // double: the sum of squares of thousands of activations, as one rounding
+  for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.f / std::sqrt(static_cast<float>(ss / D) + eps);
+  for (int64_t i = 0; i < D; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void check_vec(const at::Tensor& w, int64_t n, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == n && w.device().is_cpu(),
+              "moetune::", what, ": weight must be a contiguous float32 vector of ", n);
+}
+
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu() && x.dim() >= 1,
+              "moetune::rmsnorm: x must be a contiguous float32 CPU tensor");
+  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
+  check_vec(w, D, "rmsnorm");
+  at::Tensor out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
+  });
+  return out;
+}
+
+at::Tensor add_rmsnorm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  check_act(x, "add_rmsnorm_");
+  check_act(delta, "add_rmsnorm_");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "moetune::add_rmsnorm_: shapes differ");
+  const int64_t R = x.size(0), D = x.size(1);
+  check_vec(w, D, "add_rmsnorm_");
+  at::Tensor out = at::empty_like(x);
+  float *xp = x.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) {
+      for (int64_t i = 0; i < D; ++i) xp[r * D + i] += dp[r * D + i];
+      rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding of one head in place: x*cos + rotate_half(x)*sin, rotate_half(x) = (-x2, x1).
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = x[i], b = x[i + h];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + h] = b * cos[i + h] + a * sin[i + h];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rope(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv,
+                                                        int64_t d, const std::optional<at::Tensor>& q_norm,
+                                                        const std::optional<at::Tensor>& k_norm,
+                                                        const std::string& norm, double eps, double clip,
+                                                        const at::Tensor& cos, const at::Tensor& sin) {
+  check_act(qkv, "qk_rope");
+  const int64_t T = qkv.size(0), Q = n_heads * d, KV = n_kv * d;
+  TORCH_CHECK(qkv.size(1) == Q + 2 * KV, "moetune::qk_rope: qkv width ", qkv.size(1), " is not ", Q + 2 * KV);
+  check_act(cos, "qk_rope");
+  check_act(sin, "qk_rope");
+  TORCH_CHECK(cos.size(0) == T && cos.size(1) == d && sin.sizes() == cos.sizes(), "moetune::qk_rope: cos/sin shape");
+  TORCH_CHECK(norm == "none" || norm == "head" || norm == "full", "moetune::qk_rope: norm ", norm);
+  const float *qw = nullptr, *kw = nullptr;
+  if (norm != "none") {
+    TORCH_CHECK(q_norm.has_value() && k_norm.has_value(), "moetune::qk_rope: norm weights missing");
+    check_vec(*q_norm, norm == "head" ? d : Q, "qk_rope");
+    check_vec(*k_norm, norm == "head" ? d : KV, "qk_rope");
+    qw = q_norm->data_ptr<float>();
+    kw = k_norm->data_ptr<float>();
+  }
+  at::Tensor q = at::empty({T, n_heads, d}, qkv.options());
+  at::Tensor k = at::empty({T, n_kv, d}, qkv.options());
+  at::Tensor v = at::empty({T, n_kv, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const float e = static_cast<float>(eps), c = static_cast<float>(clip);
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const float* row = src + t * (Q + 2 * KV);
+      float *qt = qp + t * Q, *kt = kp + t * KV, *vt = vp + t * KV;
+      if (norm == "full") {
+        rms_row(row, qw, e, Q, qt);
+        rms_row(row + Q, kw, e, KV, kt);
+      } else {
+        std::copy(row, row + Q, qt);
+        std::copy(row + Q, row + Q + KV, kt);
+      }
+      std::copy(row + Q + KV, row + Q + 2 * KV, vt);
+      if (c > 0) {
+        for (float* z : {qt, kt, vt}) {
+          const int64_t n = z == qt ? Q : KV;
+          for (int64_t i = 0; i < n; ++i) z[i] = std::min(c, std::max(-c, z[i]));
+        }
+      }
+      for (int64_t hd = 0; hd < n_heads; ++hd) {
+        if (norm == "head") rms_row(qt + hd * d, qw, e, d, qt + hd * d);
+        rope_head(qt + hd * d, cp + t * d, sp + t * d, d);
+      }
+      for (int64_t hd = 0; hd < n_kv; ++hd) {
+        if (norm == "head") rms_row(kt + hd * d, kw, e, d, kt + hd * d);
+        rope_head(kt + hd * d, cp + t * d, sp + t * d, d);
+      }
+    }
+  });
+  return {q, k, v};
+}
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, bool renorm) {
+  check_act(logits, "route");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "moetune::route: k=", k, " with ", E, " experts");
+  at::Tensor gates = at::empty({T, k}, logits.options());
+  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* gp = gates.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = lp + t * E;
+    float mx = row[0];
+    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, row[e]);
+    std::vector<float> p(E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(row[e] - mx));
+    std::vector<int64_t> order(E);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    // Largest first; equal probabilities keep the lower expert id first.
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float kept = 0.f;
+    for (int64_t j = 0; j < k; ++j) kept += p[order[j]] / sum;
+    for (int64_t j = 0; j < k; ++j) {
+      ip[t * k + j] = order[j];
+      gp[t * k + j] = renorm ? (p[order[j]] / sum) / kept : p[order[j]] / sum;
+    }
+  }
+  return {gates, ids};
+}
+
+// x[i] = exp(x[i] - shift), returning the sum. With AVX-512: exp(r) = 2^n * p(r'), n = round(r log2 e),
+// r' = r - n ln 2 in [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error ~1e-7).
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 vshift = _mm512_set1_ps(shift), log2e = _mm512_set1_ps(1.44269504088896341f),
+               ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f),
+               lo = _mm512_set1_ps(-87.3f);
+  const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 r = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vshift), lo);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(r, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fnmadd_ps(k, ln2_hi, r);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(c[6]);
+    for (int j = 5; j >= 0; --j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[j]));
+    p = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(x + i, p);
+    acc = _mm512_add_ps(acc, p);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+
+// One query token per sequence against its cached keys and values, read in place from the cache:
+// for each (sequence, KV head), the query heads of its group over positions [max(0, len-window), len).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
+                            const at::Tensor& lens, int64_t window, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "moetune::decode_attention: q");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && kc.dim() == 4 && vc.sizes() == kc.sizes() &&
+                  vc.is_contiguous(),
+              "moetune::decode_attention: caches must be contiguous float32 [slots, KV, L, d]");
+  const int64_t B = q.size(0), Hq = q.size(1), d = q.size(2), KV = kc.size(1), L = kc.size(2);
+  TORCH_CHECK(kc.size(3) == d && Hq % KV == 0, "moetune::decode_attention: head shapes");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && slots.numel() == B &&
+                  lens.numel() == B && slots.is_contiguous() && lens.is_contiguous(),
+              "moetune::decode_attention: slots and lens must be int64 vectors of ", B);
+  const int64_t group = Hq / KV;
+  at::Tensor out = at::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int64_t *sp = slots.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < kc.size(0) && lp[b] >= 1 && lp[b] <= L, "moetune::decode_attention: slot ",
+                sp[b], " length ", lp[b], " outside the cache");
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KV, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> w;
+    for (int64_t bh = a; bh < z; ++bh) {
+      const int64_t b = bh / KV, g = bh % KV, len = lp[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const float* K = kp + ((sp[b] * KV + g) * L) * d;
+      const float* V = vp + ((sp[b] * KV + g) * L) * d;
+      w.resize(len - lo);
+      for (int64_t hq = g * group; hq < (g + 1) * group; ++hq) {
+        const float* qh = qp + (b * Hq + hq) * d;
+        float mx = -INFINITY;
+        for (int64_t j = lo; j < len; ++j) {
+          w[j - lo] = dotf(qh, K + j * d, d) * sc;
+          mx = std::max(mx, w[j - lo]);
+        }
+        const float sum = exp_shifted(w.data(), static_cast<int64_t>(w.size()), mx);
+        float* oh = op + (b * Hq + hq) * d;
+        for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
+        for (int64_t j = lo; j < len; ++j) {
+          const float p = w[j - lo] / sum;
+          for (int64_t i = 0; i < d; ++i) oh[i] += p * V[j * d + i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return kIsa; }
 
 }  // namespace
@@ -356,5 +614,12 @@ TORCH_LIBRARY(moetune, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", &linear);
   m.def("moe(Tensor h, Tensor w13, Tensor w2, Tensor ids, Tensor gates) -> Tensor", &moe);
   m.def("moe_list(Tensor h, Tensor?[] w13, Tensor?[] w2, Tensor ids, Tensor gates) -> Tensor", &moe_list);
+  m.def("rmsnorm(Tensor x, Tensor w, float eps) -> Tensor", &rmsnorm);
+  m.def("add_rmsnorm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rmsnorm_);
+  m.def("qk_rope(Tensor qkv, int n_heads, int n_kv, int head_dim, Tensor? q_norm, Tensor? k_norm, str norm, "
+        "float eps, float clip, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)", &qk_rope);
+  m.def("route(Tensor logits, int k, bool renorm) -> (Tensor, Tensor)", &route);
+  m.def("decode_attention(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, int window, float scale) "
+        "-> Tensor", &decode_attention);
   m.def("isa() -> str", &isa);
 }

@@ -271,11 +271,14 @@ class MoEDecoder:
         plan = _AttentionPlan(batch, cache, cache.device)
         if self.record_routes:
             self.routes = []
+        h = self._norm(x, self.layers[0].ln1)
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.ln1, spec.rms_eps)
-            x = x + self._attention(i, lw, h, cos, sin, plan, cache)
-            h = rms_norm(x, lw.ln2, spec.rms_eps)
-            x = x + (self._moe(i, lw, h) if lw.w13 is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h))
+            h = self._add_norm(x, self._attention(i, lw, h, cos, sin, plan, cache), lw.ln2)
+            y = self._moe(i, lw, h) if lw.w13 is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
+            if i + 1 < len(self.layers):
+                h = self._add_norm(x, y, self.layers[i + 1].ln1)
+            else:
+                x.add_(y)
         if batch.all_logits:
             rows = list(range(batch.n_tokens))
         else:
@@ -286,11 +289,27 @@ class MoEDecoder:
         xr = rms_norm(xr, self.final_norm, spec.rms_eps)
         return self._linear(xr, self.lm_head).float()  # [S', V]
 
-    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return kernels.ops().rmsnorm(x, w, self.spec.rms_eps)
+        return rms_norm(x, w, self.spec.rms_eps)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The residual update ``x += delta`` in place, then the next RMSNorm of ``x``."""
+        if self.native:
+            return kernels.ops().add_rmsnorm_(x, delta, w, self.spec.rms_eps)
+        x.add_(delta)
+        return rms_norm(x, w, self.spec.rms_eps)
+
+    def _qkv(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections, q/k norms, clipping and rotary embedding: q [T, Hq, d], k and v [T, KV, d]."""
         spec = self.spec
         t = h.shape[0]
         qkv = self._linear(h, lw.wqkv, lw.bqkv)  # [T, Q + 2KV]
+        if self.native:
+            return kernels.ops().qk_rope(qkv, spec.n_heads, spec.n_kv_heads, spec.head_dim, lw.q_norm, lw.k_norm,
+                                         spec.qk_norm, spec.rms_eps, spec.clip_qkv or 0.0, cos, sin)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         if spec.qk_norm == "full":
             q = rms_norm(q, lw.q_norm, spec.rms_eps)
@@ -303,8 +322,13 @@ class MoEDecoder:
         if spec.qk_norm == "head":
             q = rms_norm(q, lw.q_norm, spec.rms_eps)
             k = rms_norm(k, lw.k_norm, spec.rms_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   plan: _AttentionPlan, cache: KVCache) -> torch.Tensor:
+        spec = self.spec
+        t = h.shape[0]
+        q, k, v = self._qkv(lw, h, cos, sin)
         kc, vc = cache.k[i], cache.v[i]
         on_host = cache.device != self.device  # decode attention placed on the host: its KV cache lives there
         if on_host:
@@ -312,6 +336,10 @@ class MoEDecoder:
         # Write the step's keys and values into the cache: [slot, head, pos, d].
         kc[plan.slot_of_token, :, plan.pos_of_token] = k
         vc[plan.slot_of_token, :, plan.pos_of_token] = v
+        if self.native and not on_host and plan.all_decode:  # a decode-only step: one call, cache read in place
+            out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
+                                                 self.scale)
+            return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
         out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=cache.device)
         if plan.decode_rows is not None:
             qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, Hq, 1, d]
@@ -351,9 +379,14 @@ class MoEDecoder:
         With a routing override (top-k override, minimum gate weight) skipped slots get weight 0 and
         id -1; this mirrors :func:`engine.moe.policy.prune_routes`, which is the tested reference.
         """
-        logits = F.linear(h, lw.router)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         k = self.spec.top_k
+        if self.native and h.shape[0] <= kernels.MAX_NATIVE_TOKENS:
+            logits = kernels.ops().linear(h, lw.router, None)  # [T, E]
+            if not self.top_k_override and not self.min_gate_weight:
+                return kernels.ops().route(logits, k, self.spec.norm_topk_prob)
+        else:
+            logits = F.linear(h, lw.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         k_run = max(k, self.top_k_override)  # an override above the model's k routes to more experts
         weights, ids = torch.topk(probs, k_run, dim=-1)  # [T, K], descending
         if self.spec.norm_topk_prob:
@@ -469,9 +502,11 @@ class _AttentionPlan:
         self.prefill = [s for s in batch.segments if not (s.n_tokens == 1 and s.past_len > 0)]
         self.decode_rows = None
         self.window = cache.spec.sliding_window
+        # A decode-only step whose rows are its decode tokens in order (as the runtime lays them out).
+        self.all_decode = not self.prefill and [s.start for s in decode] == list(range(len(decode)))
         if decode:
             self.decode_rows = torch.tensor([s.start for s in decode], device=device)
-            lens = torch.tensor([s.past_len + 1 for s in decode], device=device)
+            self.lens = lens = torch.tensor([s.past_len + 1 for s in decode], device=device)
             max_len = int(lens.max())
             self.max_len = max_len
             ar = torch.arange(max_len, device=device)

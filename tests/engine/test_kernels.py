@@ -44,6 +44,8 @@ def test_linear_matches_fp32_product(dtype, tokens, rows, inner):
     torch.testing.assert_close(_ops().linear(x, w, b), ref, rtol=RTOL, atol=ATOL * inner ** 0.5)
     torch.testing.assert_close(_ops().linear(x, w, None), F.linear(x, w.float()), rtol=RTOL,
                                atol=ATOL * inner ** 0.5)
+    wf = w.float()  # fp32 weights (routers) too
+    torch.testing.assert_close(_ops().linear(x, wf, b), ref, rtol=RTOL, atol=ATOL * inner ** 0.5)
 
 
 def test_linear_wrapper_keeps_leading_dims_and_falls_back_for_many_tokens():
@@ -103,7 +105,7 @@ def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
 def test_bad_inputs_are_refused_with_the_reason():
     x = torch.randn(2, 16)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        _ops().linear(x, torch.randn(4, 16), None)
+        _ops().linear(x, torch.randn(4, 16).double(), None)
     with pytest.raises(RuntimeError, match="do not match"):
         _ops().linear(x, torch.randn(4, 15).bfloat16(), None)
     with pytest.raises(RuntimeError, match="float32"):
@@ -112,6 +114,46 @@ def test_bad_inputs_are_refused_with_the_reason():
         _ops().linear(x, torch.randn(4, 16).bfloat16(), torch.randn(3))
     with pytest.raises(TypeError, match="activations with"):
         kernels.linear(x.bfloat16(), torch.randn(4, 16).half())
+
+
+def test_norms_match_pytorch():
+    from engine.model.decoder import rms_norm
+
+    x, w, d = torch.randn(5, 100), torch.randn(100), torch.randn(5, 100)
+    torch.testing.assert_close(_ops().rmsnorm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    y = x.clone()
+    h = _ops().add_rmsnorm_(y, d, w, 1e-5)
+    torch.testing.assert_close(y, x + d, rtol=0, atol=0)
+    torch.testing.assert_close(h, rms_norm(x + d, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_matches_softmax_top_k(renorm):
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(1)) * 3
+    probs = torch.softmax(logits, dim=-1)
+    ref_w, ref_ids = torch.topk(probs, 8, dim=-1)
+    if renorm:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    w, ids = _ops().route(logits, 8, renorm)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_reads_the_cache_in_place(window):
+    g = torch.Generator().manual_seed(window)
+    kc, vc = torch.randn(4, 2, 32, 16, generator=g), torch.randn(4, 2, 32, 16, generator=g)
+    q = torch.randn(2, 6, 16, generator=g)  # 6 query heads share 2 KV heads
+    slots, lens = torch.tensor([3, 1]), torch.tensor([7, 32])
+    got = _ops().decode_attention(q, kc, vc, slots, lens, window, 0.25)
+    for b in range(2):
+        lo = max(0, int(lens[b]) - window) if window else 0
+        k = kc[slots[b], :, lo: lens[b]].repeat_interleave(3, dim=0)  # [6, n, d]
+        v = vc[slots[b], :, lo: lens[b]].repeat_interleave(3, dim=0)
+        ref = torch.softmax(q[b][:, None, :] @ k.transpose(1, 2) * 0.25, dim=-1) @ v  # [6, 1, d]
+        torch.testing.assert_close(got[b], ref[:, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _ops().decode_attention(q, kc, vc, slots, torch.tensor([7, 33]), window, 0.25)
 
 
 def test_status_names_the_isa_and_library():
@@ -132,9 +174,14 @@ def _prompt_logits(engine: Engine) -> list[torch.Tensor]:
     return [prompt_logits(engine, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch):
-    path = make_ckpt(arch, dtype="bfloat16", seed=3)
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen2_moe", {}),  # shared expert and its gate, qkv bias
+    ("qwen3_moe", {}),  # per-head q/k norms
+    ("olmoe", {"clip_qkv": 0.5}),  # q/k norms over the projection, clipping
+    ("mixtral", {"sliding_window": 5}),  # decode attention over a window of the cache
+])
+def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch, overrides):
+    path = make_ckpt(arch, dtype="bfloat16", seed=3, **overrides)
     base = EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4)
     native = Engine(path, base.replace(cpu_kernels="native"))
     torch_ = Engine(path, base.replace(cpu_kernels="torch"))
