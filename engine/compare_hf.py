@@ -67,7 +67,8 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
         "engine_same_dtype": Engine(path, EngineConfig().replace(compute_dtype="checkpoint")),
         "engine_auto": Engine(path, EngineConfig()),
     }
-    if engines["engine_auto"].dtype == engines["engine_same_dtype"].dtype:
+    if (engines["engine_auto"].dtype, engines["engine_auto"].weight_dtype) == \
+            (engines["engine_same_dtype"].dtype, engines["engine_same_dtype"].weight_dtype):
         del engines["engine_auto"]
     bw = memory_bandwidth_gbps()
     spec = engines["engine_same_dtype"].spec
@@ -88,13 +89,15 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
             row[f"{name}_decode_x"] = row[f"{name}_decode_tokens_per_s"] / row["transformers_decode_tokens_per_s"]
             row[f"{name}_prefill_x"] = row[f"{name}_prefill_tokens_per_s"] / row["transformers_prefill_tokens_per_s"]
         for name, eng in engines.items():
-            dtype_bytes = torch.finfo(eng.dtype).bits // 8
+            dtype_bytes = eng.weight_dtype.itemsize  # the bytes its products read
             touched = eng.model.stats.mean_distinct() or None
             row[f"{name}_roofline_decode_tokens_per_s"] = (
                 b * bw * 1e9 / spec.weight_bytes_touched(b, dtype_bytes, touched))
         rows.append(row)
     return {"model": str(path), "arch": spec.arch, "checkpoint_dtype": str(hf.dtype).replace("torch.", ""),
             "engines": {n: str(e.dtype).replace("torch.", "") for n, e in engines.items()},
+            "engine_weight_dtypes": {n: str(e.weight_dtype).replace("torch.", "") for n, e in engines.items()},
+            "engine_kernels": {n: e.kernels_label for n, e in engines.items()},
             "threads": torch.get_num_threads(), "mem_bw_gb_per_s": bw, "prompt_len": prompt_len,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows}, hf, engines
 
@@ -160,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
           f"{args.new_tokens} new tokens, {res['threads']} threads, median of {args.repeats}; "
           f"memory read bandwidth {res['mem_bw_gb_per_s']:.1f} GB/s")
     names = ["transformers"] + list(res["engines"])
+    for n in res["engines"]:
+        print(f"  {n}: {res['engines'][n]} products of {res['engine_weight_dtypes'][n]} weights, "
+              f"{res['engine_kernels'][n]} kernels")
     for row in res["rows"]:
         print(f"batch {row['batch']}:")
         for n in names:

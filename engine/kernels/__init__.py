@@ -145,6 +145,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def reads_int8(q: torch.Tensor, x: torch.Tensor) -> bool:
+    """True when the native int8 kernel takes ``x @ q.T``: int8 CPU weights, fp32 CPU activations, and
+    few enough tokens that a matrix-vector kernel pays (more go through dequantise-then-GEMM)."""
+    return (q.dtype == torch.int8 and x.dtype == torch.float32 and q.device.type == "cpu"
+            and x.device.type == "cpu" and x.numel() // max(1, x.shape[-1]) <= MAX_NATIVE_TOKENS)
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scales[:, None]).T`` in fp32 for int8 ``q`` [N, K] with one scale per row."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = ops().linear_int8(rows.contiguous(), q, scales)
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
 def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         gates: torch.Tensor) -> torch.Tensor:
     """Routed experts of T tokens in one call: h [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] (bf16/fp16),

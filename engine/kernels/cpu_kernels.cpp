@@ -7,10 +7,12 @@
 // the stored weights, at the memory traffic of the stored dtype.
 //
 // Ops (namespace moetune):
-//   linear(x[T,K] f32, w[N,K] bf16|f16, bias[N] f32?) -> [T,N] f32
+//   linear(x[T,K] f32, w[N,K] bf16|f16|f32, bias[N] f32?) -> [T,N] f32
+//   linear_int8(x[T,K] f32, q[N,K] int8, scales[N]) -> [T,N] f32 (int8 experts, per-row scales)
 //   moe(h[T,H] f32, w13[E,2I,H], w2[E,H,I], ids[T,k] i64 (-1 = skipped), gates[T,k] f32) -> [T,H] f32
 //   moe_list: moe with the experts given as lists of per-expert [2I,H] and [H,I] tensors
-//   (undefined entries for experts no token routes to).
+//   (undefined entries for experts no token routes to); moe_list_int8 the same for int8 experts with
+//   per-row scales (quant.QWeight's int8 scheme).
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
 // calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
@@ -43,8 +45,9 @@
 
 namespace {
 
-struct Bf16 {};
-struct F16 {};
+struct Bf16 { using elem = uint16_t; };
+struct F16 { using elem = uint16_t; };
+struct I8 { using elem = int8_t; };  // int8 weights, one fp32 scale per row applied by the caller
 
 inline float widen(uint16_t v, Bf16) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -53,6 +56,7 @@ inline float widen(uint16_t v, Bf16) {
   return f;
 }
 inline float widen(uint16_t v, F16) { return static_cast<float>(c10::Half(v, c10::Half::from_bits())); }
+inline float widen(int8_t v, I8) { return static_cast<float>(v); }
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -68,6 +72,9 @@ inline vec wload(const uint16_t* p, Bf16) {
 }
 inline vec wload(const uint16_t* p, F16) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vec wload(const int8_t* p, I8) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 constexpr const char* kIsa = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -90,6 +97,9 @@ inline vec wload(const uint16_t* p, Bf16) {
 inline vec wload(const uint16_t* p, F16) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline vec wload(const int8_t* p, I8) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 constexpr const char* kIsa = "avx2";
 #else
 constexpr int kLanes = 1;
@@ -101,12 +111,13 @@ inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 inline float vsum(vec a) { return a; }
 inline vec wload(const uint16_t* p, Bf16 t) { return widen(*p, t); }
 inline vec wload(const uint16_t* p, F16 t) { return widen(*p, t); }
+inline vec wload(const int8_t* p, I8 t) { return widen(*p, t); }
 constexpr const char* kIsa = "scalar";
 #endif
 
 // s[r * NT + t] = dot(w[r][0:K], x[t][0:K]) for NR weight rows and NT activation rows.
 template <typename WT, int NR, int NT>
-inline void dots(const uint16_t* const* w, const float* const* x, int64_t K, float* s) {
+inline void dots(const typename WT::elem* const* w, const float* const* x, int64_t K, float* s) {
   vec acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
@@ -134,7 +145,7 @@ inline void dots(const uint16_t* const* w, const float* const* x, int64_t K, flo
 }
 
 template <typename WT, int NR, int NT, typename Sink>
-inline void tile(const uint16_t* const* w, const float* const* x, int64_t K, int64_t r, int64_t t, Sink& sink) {
+inline void tile(const typename WT::elem* const* w, const float* const* x, int64_t K, int64_t r, int64_t t, Sink& sink) {
   float s[NR * NT];
   dots<WT, NR, NT>(w, x, K, s);
   for (int i = 0; i < NR; ++i)
@@ -142,7 +153,7 @@ inline void tile(const uint16_t* const* w, const float* const* x, int64_t K, int
 }
 
 template <typename WT, int NR, typename Sink>
-inline void row_block(const uint16_t* const* w, const float* const* xs, int64_t n_tok, int64_t K, int64_t r,
+inline void row_block(const typename WT::elem* const* w, const float* const* xs, int64_t n_tok, int64_t K, int64_t r,
                       Sink& sink) {
   int64_t t = 0;
   for (; t + kMaxTok <= n_tok; t += kMaxTok) tile<WT, NR, kMaxTok>(w, xs + t, K, r, t, sink);
@@ -156,15 +167,15 @@ inline void row_block(const uint16_t* const* w, const float* const* xs, int64_t 
 
 // sink(row, token, dot(W[row], xs[token])) for rows [r0, r1) of a row-major [*, K] weight with stride ldw.
 template <typename WT, typename Sink>
-void rows_times_tokens(const uint16_t* W, int64_t ldw, int64_t r0, int64_t r1, const float* const* xs,
+void rows_times_tokens(const typename WT::elem* W, int64_t ldw, int64_t r0, int64_t r1, const float* const* xs,
                        int64_t n_tok, int64_t K, Sink& sink) {
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
-    const uint16_t* w[4] = {W + r * ldw, W + (r + 1) * ldw, W + (r + 2) * ldw, W + (r + 3) * ldw};
+    const typename WT::elem* w[4] = {W + r * ldw, W + (r + 1) * ldw, W + (r + 2) * ldw, W + (r + 3) * ldw};
     row_block<WT, 4>(w, xs, n_tok, K, r, sink);
   }
   for (; r < r1; ++r) {
-    const uint16_t* w[1] = {W + r * ldw};
+    const typename WT::elem* w[1] = {W + r * ldw};
     row_block<WT, 1>(w, xs, n_tok, K, r, sink);
   }
 }
@@ -192,20 +203,38 @@ void check_act(const at::Tensor& x, const char* what) {
               "moetune::", what, ": activations must be a contiguous 2-D float32 CPU tensor");
 }
 
+// y[t, r] = scale[r] * dot(W[r], x[t]) + bias[r] (scale and bias optional).
 template <typename WT>
-void linear_impl(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+void linear_impl(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias, at::Tensor& y) {
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<const float*> xs(T);
   for (int64_t t = 0; t < T; ++t) xs[t] = xp + t * K;
-  const uint16_t* W = bits(w);
+  const auto* W = static_cast<const typename WT::elem*>(w.data_ptr());
   const int64_t block = 16;
   const int64_t n_blocks = (N + block - 1) / block;
   at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
-    auto sink = [&](int64_t r, int64_t t, float v) { yp[t * N + r] = v + (bias ? bias[r] : 0.f); };
+    auto sink = [&](int64_t r, int64_t t, float v) {
+      yp[t * N + r] = (scale ? v * scale[r] : v) + (bias ? bias[r] : 0.f);
+    };
     rows_times_tokens<WT>(W, K, b0 * block, std::min(N, b1 * block), xs.data(), T, K, sink);
   });
+}
+
+// int8 weights quantized per output row: y = x @ (q * scale[:, None]).T, in fp32 (activations are
+// not rounded, unlike PyTorch's packed int8 kernel, which takes bf16 activations).
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  check_act(x, "linear_int8");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.device().is_cpu() &&
+                  q.size(1) == x.size(1),
+              "moetune::linear_int8: weights must be a contiguous int8 [N, ", x.size(1), "] CPU tensor, got ",
+              q.sizes());
+  at::Tensor s = scales.to(at::kFloat).contiguous();
+  TORCH_CHECK(s.numel() == q.size(0), "moetune::linear_int8: ", q.size(0), " rows but ", s.numel(), " scales");
+  at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
+  linear_impl<I8>(x, q, s.data_ptr<float>(), nullptr, y);
+  return y;
 }
 
 // fp32 weights (routers: small, kept in fp32): one dot per row and token; PyTorch's GEMM spends
@@ -236,9 +265,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (w.scalar_type() == at::kFloat)
     linear_f32(x, w, b, y);
   else if (w.scalar_type() == at::kBFloat16)
-    linear_impl<Bf16>(x, w, b, y);
+    linear_impl<Bf16>(x, w, nullptr, b, y);
   else
-    linear_impl<F16>(x, w, b, y);
+    linear_impl<F16>(x, w, nullptr, b, y);
   return y;
 }
 
@@ -248,9 +277,20 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 //   phase 1: for each expert and block of its rows, gate and up products of its tokens -> act
 //   phase 2: for each block of output rows, every expert's down product of its tokens, weighted
 //            by the gate and summed per token (a thread owns its output rows: no races).
+// Row scales of int8 experts (empty for float weights): s13[e] has 2I entries, s2[e] H.
+using Scales = std::vector<std::vector<float>>;
+
 template <typename WT>
-at::Tensor moe_impl(const at::Tensor& h, const std::vector<const uint16_t*>& w13, const std::vector<const uint16_t*>& w2,
-                    int64_t inter, const at::Tensor& ids, const at::Tensor& gates) {
+at::Tensor moe_impl(const at::Tensor& h, const std::vector<const void*>& w13v, const std::vector<const void*>& w2v,
+                    int64_t inter, const at::Tensor& ids, const at::Tensor& gates, const Scales& s13 = {},
+                    const Scales& s2 = {}) {
+  using elem = typename WT::elem;
+  std::vector<const elem*> w13(w13v.size()), w2(w2v.size());
+  for (size_t e = 0; e < w13v.size(); ++e) {
+    w13[e] = static_cast<const elem*>(w13v[e]);
+    w2[e] = static_cast<const elem*>(w2v[e]);
+  }
+  const bool scaled = !s13.empty();
   const int64_t T = h.size(0), H = h.size(1), k = ids.size(1), E = static_cast<int64_t>(w13.size());
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* gw = gates.data_ptr<float>();
@@ -292,11 +332,12 @@ at::Tensor moe_impl(const at::Tensor& h, const std::vector<const uint16_t*>& w13
     const Item& item = items[it];
     const int64_t p0 = offset[item.e], n = offset[item.e + 1] - p0, rows = item.r1 - item.r0;
     std::vector<float> g(rows * n);
-    auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
+    const float* sc = scaled ? s13[item.e].data() : nullptr;
+    auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = sc ? v * sc[r] : v; };
     rows_times_tokens<WT>(w13[item.e], H, item.r0, item.r1, xs.data() + p0, n, H, gate_sink);
     auto up_sink = [&](int64_t r, int64_t t, float v) {
       const int64_t i = r - inter;
-      act[(p0 + t) * inter + i] = silu(g[(i - item.r0) * n + t]) * v;
+      act[(p0 + t) * inter + i] = silu(g[(i - item.r0) * n + t]) * (sc ? v * sc[r] : v);
     };
     rows_times_tokens<WT>(w13[item.e], H, inter + item.r0, inter + item.r1, xs.data() + p0, n, H, up_sink);
   }
@@ -309,7 +350,10 @@ at::Tensor moe_impl(const at::Tensor& h, const std::vector<const uint16_t*>& w13
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = offset[e], n = offset[e + 1] - p0;
       if (n == 0) continue;
-      auto sink = [&](int64_t r, int64_t t, float v) { op[tok[p0 + t] * H + r] += gate[p0 + t] * v; };
+      const float* sc = scaled ? s2[e].data() : nullptr;
+      auto sink = [&](int64_t r, int64_t t, float v) {
+        op[tok[p0 + t] * H + r] += gate[p0 + t] * (sc ? v * sc[r] : v);
+      };
       rows_times_tokens<WT>(w2[e], inter, r0, r1, as.data() + p0, n, inter, sink);
     }
   });
@@ -334,7 +378,7 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(1) == 2 * inter && w13.size(2) == H &&
                   w2.size(0) == E && w2.size(1) == H,
               "moetune::moe: expert shapes ", w13.sizes(), " and ", w2.sizes(), " do not fit hidden size ", H);
-  std::vector<const uint16_t*> a(E), b(E);
+  std::vector<const void*> a(E), b(E);
   for (int64_t e = 0; e < E; ++e) {
     a[e] = bits(w13) + e * 2 * inter * H;
     b[e] = bits(w2) + e * H * inter;
@@ -345,8 +389,24 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
 
 using OptTensors = c10::List<std::optional<at::Tensor>>;
 
-at::Tensor moe_list(const at::Tensor& h, const OptTensors& w13_list, const OptTensors& w2_list,
-                    const at::Tensor& ids, const at::Tensor& gates) {
+std::vector<float> scale_vector(const at::Tensor& s, int64_t n, int64_t e) {
+  TORCH_CHECK(s.defined() && s.numel() == n && s.is_contiguous() &&
+                  (s.scalar_type() == at::kBFloat16 || s.scalar_type() == at::kFloat),
+              "moetune::moe_list_int8: expert ", e, " needs ", n, " contiguous bf16 or fp32 scales");
+  std::vector<float> out(n);
+  if (s.scalar_type() == at::kFloat) {
+    std::copy(s.data_ptr<float>(), s.data_ptr<float>() + n, out.begin());
+  } else {  // widened here: an at::to per expert and call costs more than the expert's int8 product
+    const uint16_t* b = bits(s);
+    for (int64_t i = 0; i < n; ++i) out[i] = widen(b[i], Bf16{});
+  }
+  return out;
+}
+
+// Experts given per expert (None where no token routes), float weights, or int8 with row scales.
+at::Tensor moe_list_impl(const at::Tensor& h, const OptTensors& w13_list, const OptTensors& w2_list,
+                         const at::Tensor& ids, const at::Tensor& gates, const OptTensors* s13_list,
+                         const OptTensors* s2_list) {
   check_routes(h, ids, gates);
   TORCH_CHECK(w13_list.size() == w2_list.size() && !w13_list.empty(),
               "moetune::moe_list: w13 and w2 lists differ in length");
@@ -359,13 +419,26 @@ at::Tensor moe_list(const at::Tensor& h, const OptTensors& w13_list, const OptTe
       w2[e] = *b;
     }
   }
-  std::vector<const uint16_t*> a(E, nullptr), b(E, nullptr);
+  std::vector<const void*> a(E, nullptr), b(E, nullptr);
+  Scales s13, s2;
+  if (s13_list) {
+    TORCH_CHECK(static_cast<int64_t>(s13_list->size()) == E && static_cast<int64_t>(s2_list->size()) == E,
+                "moetune::moe_list_int8: one scale entry per expert");
+    s13.resize(E);
+    s2.resize(E);
+  }
   int64_t inter = -1;
   at::ScalarType dtype = at::kBFloat16;
   for (int64_t e = 0; e < E; ++e) {
     if (!w13[e].defined() || !w2[e].defined()) continue;
-    check_weight(w13[e], "moe_list");
-    check_weight(w2[e], "moe_list");
+    if (s13_list) {
+      TORCH_CHECK(w13[e].scalar_type() == at::kChar && w2[e].scalar_type() == at::kChar && w13[e].is_contiguous() &&
+                      w2[e].is_contiguous() && w13[e].device().is_cpu() && w2[e].device().is_cpu(),
+                  "moetune::moe_list_int8: expert ", e, " weights must be contiguous int8 CPU tensors");
+    } else {
+      check_weight(w13[e], "moe_list");
+      check_weight(w2[e], "moe_list");
+    }
     if (inter < 0) {
       inter = w2[e].size(1);
       dtype = w13[e].scalar_type();
@@ -375,12 +448,28 @@ at::Tensor moe_list(const at::Tensor& h, const OptTensors& w13_list, const OptTe
     TORCH_CHECK(w13[e].dim() == 2 && w13[e].size(0) == 2 * inter && w13[e].size(1) == H && w2[e].dim() == 2 &&
                     w2[e].size(0) == H && w2[e].size(1) == inter,
                 "moetune::moe_list: expert ", e, " has shapes ", w13[e].sizes(), " and ", w2[e].sizes());
-    a[e] = bits(w13[e]);
-    b[e] = bits(w2[e]);
+    a[e] = w13[e].data_ptr();
+    b[e] = w2[e].data_ptr();
+    if (s13_list) {
+      std::optional<at::Tensor> sa = s13_list->get(e), sb = s2_list->get(e);
+      s13[e] = scale_vector(sa.value_or(at::Tensor()), 2 * inter, e);
+      s2[e] = scale_vector(sb.value_or(at::Tensor()), H, e);
+    }
   }
   if (inter < 0) return at::zeros({h.size(0), H}, h.options());
+  if (s13_list) return moe_impl<I8>(h, a, b, inter, ids, gates, s13, s2);
   return dtype == at::kBFloat16 ? moe_impl<Bf16>(h, a, b, inter, ids, gates)
                                 : moe_impl<F16>(h, a, b, inter, ids, gates);
+}
+
+at::Tensor moe_list(const at::Tensor& h, const OptTensors& w13, const OptTensors& w2, const at::Tensor& ids,
+                    const at::Tensor& gates) {
+  return moe_list_impl(h, w13, w2, ids, gates, nullptr, nullptr);
+}
+
+at::Tensor moe_list_int8(const at::Tensor& h, const OptTensors& q13, const OptTensors& s13, const OptTensors& q2,
+                         const OptTensors& s2, const at::Tensor& ids, const at::Tensor& gates) {
+  return moe_list_impl(h, q13, q2, ids, gates, &s13, &s2);
 }
 
 // ------------------------------------------------------------------------------ small fused steps
@@ -612,8 +701,11 @@ std::string isa() { return kIsa; }
 
 TORCH_LIBRARY(moetune, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", &linear);
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scales) -> Tensor", &linear_int8);
   m.def("moe(Tensor h, Tensor w13, Tensor w2, Tensor ids, Tensor gates) -> Tensor", &moe);
   m.def("moe_list(Tensor h, Tensor?[] w13, Tensor?[] w2, Tensor ids, Tensor gates) -> Tensor", &moe_list);
+  m.def("moe_list_int8(Tensor h, Tensor?[] q13, Tensor?[] s13, Tensor?[] q2, Tensor?[] s2, Tensor ids, "
+        "Tensor gates) -> Tensor", &moe_list_int8);
   m.def("rmsnorm(Tensor x, Tensor w, float eps) -> Tensor", &rmsnorm);
   m.def("add_rmsnorm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rmsnorm_);
   m.def("qk_rope(Tensor qkv, int n_heads, int n_kv, int head_dim, Tensor? q_norm, Tensor? k_norm, str norm, "

@@ -63,11 +63,20 @@ class ExpertVersion:
     device: torch.device
     nbytes: int
 
-    def linear13(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.w13) if isinstance(self.w13, torch.Tensor) else _quant().qlinear(x, self.w13)
+    def linear13(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        return _product(x, self.w13, native)
 
-    def linear2(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.w2) if isinstance(self.w2, torch.Tensor) else _quant().qlinear(x, self.w2)
+    def linear2(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        return _product(x, self.w2, native)
+
+
+def _product(x: torch.Tensor, w: Any, native: bool) -> torch.Tensor:
+    """``x @ w.T`` for a float tensor or a quant.QWeight; ``native`` allows moetune's CPU kernels."""
+    if isinstance(w, torch.Tensor):
+        return kernels.linear(x, w)
+    if native and w.precision == "int8" and kernels.reads_int8(w.data, x):
+        return kernels.linear_int8(x, w.data, w.scales)
+    return _quant().qlinear(x, w)
 
 
 def _record_stream(v: ExpertVersion, stream: torch.cuda.Stream) -> None:
@@ -382,9 +391,9 @@ class HybridExperts:
             xin = x  # same dtype, integer weights, or fp32 products read straight from half weights
         else:
             xin = x.to(want)  # a float copy in another precision
-        gu = v.linear13(xin)  # [n, 2I]
+        gu = v.linear13(xin, self.native)  # [n, 2I]
         inter = gu.shape[-1] // 2
-        return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)  # [n, H]
+        return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:], self.native).to(x.dtype)  # [n, H]
 
     def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Experts of one MoE layer for a step. h [T, H]; weights/ids [T, K] (id -1 = skipped slot)."""
@@ -424,8 +433,41 @@ class HybridExperts:
         self.stats.prefetched += len(want)
         self._promote_async(moves)
 
+    def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """Every routed expert in one native call when all are resident on the host in one precision
+        (bf16/fp16, or int8 with row scales) without replicas; None when the general path must run."""
+        if not self.native or h.device.type != "cpu" or self.state.cache is not None:
+            return None
+        hs = self.handles[layer]
+        routed = {int(e) for e in ids.reshape(-1).tolist() if e >= 0}
+        versions = {}
+        for e in routed:
+            v = hs[e].fast
+            if v is None or hs[e].replicas or v.device.type != "cpu":
+                return None
+            versions[e] = v
+        precisions = {v.precision for v in versions.values()}
+        if len(precisions) > 1 or not precisions <= {"bf16", "fp16", "int8"}:
+            return None
+        n = self.spec.n_experts
+        self.stats.expert_calls_fast_hi += sum(1 for v in versions.values() if v.precision == self.hi)
+        self.stats.expert_calls_fast_lo += sum(1 for v in versions.values() if v.precision != self.hi)
+        gates = weights.float().contiguous()
+        if precisions == {"int8"}:
+            def col(attr: str, part: str) -> list[torch.Tensor | None]:
+                return [getattr(getattr(versions[e], attr), part) if e in versions else None for e in range(n)]
+
+            return kernels.ops().moe_list_int8(h.contiguous(), col("w13", "data"), col("w13", "scales"),
+                                               col("w2", "data"), col("w2", "scales"), ids.contiguous(), gates)
+        return kernels.ops().moe_list(h.contiguous(), [versions[e].w13 if e in versions else None for e in range(n)],
+                                      [versions[e].w2 if e in versions else None for e in range(n)],
+                                      ids.contiguous(), gates)
+
     def _forward_tokens(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
+        fused = self._run_fused(layer, h, weights, ids)
+        if fused is not None:
+            return fused
         flat = ids.reshape(-1)
         valid = flat >= 0
         order = torch.argsort(torch.where(valid, flat, self.spec.n_experts), stable=True)
