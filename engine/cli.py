@@ -198,7 +198,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise ConfigError(f"--knobs: {unknown[0]!r} is not swept (choose from {', '.join(sweep)})")
         sweep = {k: sweep[k] for k in args.knobs.split(",")}
     res = run_sweep(engine, sweep, args.batch, args.prompt_len, args.new_tokens, args.repeats, args.quality_prompts)
-    print(f"model {res['model']} ({res['compute_dtype']}), batch {args.batch}, prompt {args.prompt_len}, "
+    print(f"model {res['model']} ({res['compute_dtype']} products of {res['weight_dtype']} weights, "
+          f"{res['cpu_kernels']} kernels), batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, median of {args.repeats}; quality vs the fp32 reference")
     print(_table(res["rows"], ["knob", "value", "prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_gib",
                                "fast_tier_expert_gib", "bytes_to_fast", "host_expert_calls", "top1_agreement",

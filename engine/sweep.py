@@ -42,11 +42,12 @@ def _peak_rss_bytes(proc: psutil.Process) -> int:
 def default_sweep(engine: Engine) -> dict[str, list[Any]]:
     """Values per knob; budgets are fractions of the model's expert bytes (so they fit any model)."""
     spec = engine.spec
-    expert_bytes = len(spec.moe_layers) * spec.n_experts * spec.expert_params() * 4
+    expert_bytes = len(spec.moe_layers) * spec.n_experts * spec.expert_params() * engine.weight_dtype.itemsize
     half_gib = round(expert_bytes * 0.5 / 2**30, 4)
     quarter_gib = round(expert_bytes * 0.25 / 2**30, 4)
     return {
-        "hi_precision": ["auto", "bf16", "int8", "int4"],
+        "cpu_kernels": ["auto", "torch"],
+        "hi_precision": ["auto", "fp32", "int8", "int4"],
         "expert_batching": ["coalesced", "micro:4", "micro:16"],
         "top_k_override": [0, spec.top_k // 2, max(1, spec.top_k // 4)],
         "min_gate_weight": [0.0, 0.05, 0.1],
@@ -101,4 +102,6 @@ def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_le
             })
     engine.reconfigure(base)
     return {"model": str(engine.model_path), "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "repeats": repeats, "compute_dtype": str(engine.dtype).replace("torch.", ""), "rows": rows}
+            "repeats": repeats, "compute_dtype": str(engine.dtype).replace("torch.", ""),
+            "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
+            "rows": rows}

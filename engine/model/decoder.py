@@ -417,9 +417,11 @@ class MoEDecoder:
             if lw.shared_w13 is not None:
                 out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
             return out
-        if self.native and lw.w13.device.type == "cpu":
+        if self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS * spec.n_experts:
+            # Up to 64 tokens per expert on average: one call for every expert, all threads. Beyond,
+            # (long prompt chunks) each expert's product runs on PyTorch's GEMM below (widened weights).
             self.stats.add(i, _expert_counts(ids, spec.n_experts))
-            out = kernels.moe(h, lw.w13, lw.w2, ids, weights)  # one call: every expert, all threads
+            out = kernels.moe(h, lw.w13, lw.w2, ids, weights)
         elif t == 1 and self.device.type == "cpu":
             out = self._moe_one_token(i, lw, h, weights, ids)
         else:
@@ -463,9 +465,12 @@ class MoEDecoder:
             if n == 0:
                 continue
             seg = xs[start: start + n]
-            gu = F.linear(seg, lw.w13[e])  # [n, 2I]
+            gu = self._linear(seg, lw.w13[e])  # [n, 2I]
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
-            torch.mm(act, lw.w2[e].t(), out=ys[start: start + n])  # [n, H]
+            if self.native:
+                ys[start: start + n] = kernels.linear(act, lw.w2[e])
+            else:
+                torch.mm(act, lw.w2[e].t(), out=ys[start: start + n])  # [n, H]
             start += n
         # Back to token order and a weighted sum over each token's k experts: a gather and a batched
         # product (index_add_ would scatter row by row).
