@@ -34,7 +34,10 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Above this many tokens a product widens the weight and calls PyTorch's GEMM (MKL), which has the
 # better compute kernel once the weight's bytes are shared by enough tokens (measured: at 128 tokens
 # MKL's fp32 GEMM is ~1.6x the native kernel; at 32 they are even; below it the native one wins).
-MAX_NATIVE_TOKENS = 64
+MAX_NATIVE_TOKENS = 32
+# The same bound for a MoE layer's fused call, in tokens per expert on average: above it the decoder
+# runs experts one by one on PyTorch's GEMM (long prompt chunks).
+MAX_NATIVE_TOKENS_PER_EXPERT = 32
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

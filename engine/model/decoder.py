@@ -417,9 +417,9 @@ class MoEDecoder:
             if lw.shared_w13 is not None:
                 out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
             return out
-        if self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS * spec.n_experts:
-            # Up to 64 tokens per expert on average: one call for every expert, all threads. Beyond,
-            # (long prompt chunks) each expert's product runs on PyTorch's GEMM below (widened weights).
+        if self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * spec.n_experts:
+            # Few tokens per expert on average: one call for every expert, all threads. Beyond (long
+            # prompt chunks), each expert's product runs on PyTorch's GEMM below, on widened weights.
             self.stats.add(i, _expert_counts(ids, spec.n_experts))
             out = kernels.moe(h, lw.w13, lw.w2, ids, weights)
         elif t == 1 and self.device.type == "cpu":

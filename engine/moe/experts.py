@@ -439,10 +439,16 @@ class HybridExperts:
         if not self.native or h.device.type != "cpu" or self.state.cache is not None:
             return None
         hs = self.handles[layer]
-        routed = {int(e) for e in ids.reshape(-1).tolist() if e >= 0}
-        versions = {}
-        for e in routed:
+        routed: dict[int, int] = {}
+        for e in ids.reshape(-1).tolist():
+            if e >= 0:
+                routed[e] = routed.get(e, 0) + 1
+        versions, on_host = {}, 0
+        for e, n_tok in routed.items():
             v = hs[e].fast
+            if v is None and self.device.type == "cpu" and decide(
+                    n_tok, self.bytes_host, self.config.execution.missing_expert, self.cost) == "host":
+                v, on_host = hs[e].host, on_host + 1  # without an accelerator the host copy is the same memory
             if v is None or hs[e].replicas or v.device.type != "cpu":
                 return None
             versions[e] = v
@@ -450,8 +456,10 @@ class HybridExperts:
         if len(precisions) > 1 or not precisions <= {"bf16", "fp16", "int8"}:
             return None
         n = self.spec.n_experts
-        self.stats.expert_calls_fast_hi += sum(1 for v in versions.values() if v.precision == self.hi)
-        self.stats.expert_calls_fast_lo += sum(1 for v in versions.values() if v.precision != self.hi)
+        resident = [v for e, v in versions.items() if v is hs[e].fast]
+        self.stats.expert_calls_host += on_host
+        self.stats.expert_calls_fast_hi += sum(1 for v in resident if v.precision == self.hi)
+        self.stats.expert_calls_fast_lo += sum(1 for v in resident if v.precision != self.hi)
         gates = weights.float().contiguous()
         if precisions == {"int8"}:
             def col(attr: str, part: str) -> list[torch.Tensor | None]:
