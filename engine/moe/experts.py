@@ -435,8 +435,10 @@ class HybridExperts:
 
     def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Every routed expert in one native call when all are resident on the host in one precision
-        (bf16/fp16, or int8 with row scales) without replicas; None when the general path must run."""
-        if not self.native or h.device.type != "cpu" or self.state.cache is not None:
+        (bf16/fp16, or int8 with row scales) without replicas; None when the general path must run
+        (then long prompt chunks also run expert by expert on PyTorch's GEMM)."""
+        if (not self.native or h.device.type != "cpu" or self.state.cache is not None
+                or ids.numel() > kernels.MAX_NATIVE_TOKENS_PER_EXPERT * self.spec.n_experts):
             return None
         hs = self.handles[layer]
         routed: dict[int, int] = {}
