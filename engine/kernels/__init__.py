@@ -61,13 +61,13 @@ def _compiler() -> str | None:
 
 
 def _flags(torch_dir: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths
-
+    # The headers' paths are spelled out rather than taken from torch.utils.cpp_extension, which
+    # imports setuptools (absent from Python 3.12's venvs).
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return (["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-            + [f"-I{p}" for p in include_paths()]
-            + [f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"])
+    include = torch_dir / "include"
+    return ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 
 def _build(cxx: str) -> Path:
