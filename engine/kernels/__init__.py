@@ -60,19 +60,20 @@ def _compiler() -> str | None:
     return None
 
 
-def _flags(torch_dir: Path) -> list[str]:
+def _flags(torch_dir: Path, march: str = "native") -> list[str]:
     # The headers' paths are spelled out rather than taken from torch.utils.cpp_extension, which
     # imports setuptools (absent from Python 3.12's venvs).
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     include = torch_dir / "include"
-    return ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-w",
+    return ["-O3", f"-march={march}", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, march: str = "native") -> Path:
+    """Compile (or find already compiled) the library for ``-march=march``; returns its path."""
     torch_dir = Path(torch.__file__).parent
-    flags = _flags(torch_dir)
+    flags = _flags(torch_dir, march)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, sys.version, version, " ".join(flags),
                                     _cpu_flags()]).encode()).hexdigest()[:16]

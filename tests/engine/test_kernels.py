@@ -271,3 +271,43 @@ def test_int8_experts_run_on_the_native_kernel(make_ckpt):
     torch.testing.assert_close(fused, _moe_reference(h, w13, w2, ids, gates), rtol=1e-4, atol=1e-4)
     res = evaluate(eng, [list(range(3, 40))])
     assert res["top1_agreement"] > 0.9
+
+
+ISA_CHECK = """
+import sys, torch, torch.nn.functional as F
+torch.ops.load_library(sys.argv[1])
+op = torch.ops.moetune
+g = torch.Generator().manual_seed(0)
+for dt in (torch.bfloat16, torch.float16):
+    for t in (1, 3, 5):
+        x, w, b = torch.randn(t, 100, generator=g), torch.randn(37, 100, generator=g).to(dt), torch.randn(37)
+        torch.testing.assert_close(op.linear(x, w, b), F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
+q, s = torch.randint(-127, 128, (37, 100), dtype=torch.int8, generator=g), torch.rand(37)
+x = torch.randn(3, 100, generator=g)
+torch.testing.assert_close(op.linear_int8(x, q, s), F.linear(x, q.float() * s[:, None]), rtol=1e-5, atol=1e-3)
+kc, vc, qd = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16), torch.randn(1, 4, 16)
+out = op.decode_attention(qd, kc, vc, torch.tensor([1]), torch.tensor([40]), 0, 0.25)
+kk, vv = kc[1].repeat_interleave(2, 0), vc[1].repeat_interleave(2, 0)
+ref = (torch.softmax(qd[0][:, None] @ kk.transpose(1, 2) * 0.25, -1) @ vv)[:, 0]
+torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+print(op.isa())
+"""
+
+
+@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "scalar")])
+def test_avx2_and_scalar_builds_agree_with_pytorch(march, isa, tmp_path, monkeypatch):
+    """CPUs without AVX-512 get the AVX2 or scalar code: build those here and check them (each in its
+    own process: one process can register the op namespace once)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 variants")
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= set(kernels._cpu_flags().split()):
+        pytest.skip("this CPU cannot run AVX2 code")
+    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
+    lib = kernels._build(kernels._compiler(), march=march)
+    script = tmp_path / "check.py"
+    script.write_text(ISA_CHECK)
+    res = subprocess.run([sys.executable, str(script), str(lib)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == isa
