@@ -63,15 +63,19 @@ BASELINES: list[Baseline] = [
     ),
     Baseline(
         "llama.cpp-like",
-        "llama.cpp server with one slot: one sequence, -b 2048 -ub 512, checkpoint precision",
-        {
-            "scheduler.max_batch_seqs": 1,
-            "scheduler.max_batch_tokens": 2048,
-            "scheduler.prefill_chunk_tokens": 512,
-            "runtime.compute_dtype": "checkpoint",
-        },
+        "llama.cpp server with one slot: one sequence, -b 2048 -ub 512, weights as stored (fp32 "
+        "accumulation on the CPU, as its bf16 CPU path does)",
+        lambda ctx: _llama_cpp(ctx),
     ),
 ]
+
+
+def _llama_cpp(ctx: BaselineContext) -> dict[str, Any]:
+    # On the CPU llama.cpp reads bf16/fp16 weights as stored and accumulates in fp32: here that is
+    # compute_dtype=float32 with the native kernels keeping the weights as stored. On a GPU it computes
+    # in the checkpoint's precision.
+    return {"scheduler.max_batch_seqs": 1, "scheduler.max_batch_tokens": 2048, "scheduler.prefill_chunk_tokens": 512,
+            "runtime.compute_dtype": "checkpoint" if _has_gpu(ctx) else "float32"}
 
 
 def _expert_gib(ctx: BaselineContext, fraction: float) -> float:
