@@ -83,7 +83,7 @@ def _build(cxx: str, march: str = "native") -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
-    log.info("building moetune's CPU kernels with %s (once per machine, ~15 s)", cxx)
+    log.info("building moetune's CPU kernels with %s (once per machine; 19 s on a 2-core Ice Lake)", cxx)
     res = subprocess.run([cxx, str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True, check=False)
     if res.returncode != 0:
         os.unlink(tmp)

@@ -17,6 +17,10 @@ int4          ``aten._weight_int4pack_mm_for_cpu`` (bf16             ``aten._wei
               activations, group 32/64/128/256)                      bf16), else ``dequant``
 ============  =====================================================  ==========================================
 
+With fp32 activations on the CPU and moetune's native kernels enabled, the hybrid expert executor runs
+int8 weights on :func:`engine.kernels.linear_int8` instead (fp32 activations, the same ``q * s``), and this
+module only stores them.
+
 ``dequant`` is the pure-PyTorch fallback: unpack, scale, then ``F.linear`` in the activation dtype. On the
 CPU it is also the better path for many tokens per call (the packed kernels are matrix-vector kernels):
 ``qlinear(..., path="auto")`` switches to it from :data:`DEQUANT_FROM_TOKENS` tokens. Every kernel is
