@@ -251,10 +251,11 @@ void linear_f32(const at::Tensor& x, const at::Tensor& w, const float* bias, at:
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear");
-  if (w.scalar_type() == at::kFloat)  // routers
+  if (w.scalar_type() == at::kFloat) {  // routers
     TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "moetune::linear: weights must be contiguous on the CPU");
-  else
+  } else {
     check_weight(w, "linear");
+  }
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "moetune::linear: shapes ", x.sizes(), " and ",
               w.sizes(), " do not match");
   const float* b = nullptr;

@@ -299,11 +299,12 @@ def _write_int4_values(qw: QWeight, out: torch.Tensor, r0: int, r1: int) -> None
         o[..., 1].copy_(p[r0:r1] & 15)
     elif qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
         flat = p.reshape(-1)
-        full = qw.out_padded // 64 * 64
+        block = _cpu_block_rows()
+        full = qw.out_padded // block * block
         f1 = min(r1, full)
         if f1 > r0:
-            b = flat[r0 * k // 2: f1 * k // 2].view((f1 - r0) // 64, k, 32).transpose(1, 2)  # [B, 32, K]
-            o = out[: f1 - r0].view((f1 - r0) // 64, 2, 32, k)
+            b = flat[r0 * k // 2: f1 * k // 2].view((f1 - r0) // block, k, block // 2).transpose(1, 2)  # [B, b/2, K]
+            o = out[: f1 - r0].view((f1 - r0) // block, 2, block // 2, k)
             o[:, 0].copy_(b & 15)
             o[:, 1].copy_(b >> 4)
         if r1 > full:
@@ -476,18 +477,27 @@ def _int4_kernel_ok(device_type: str) -> bool:
 
 
 @functools.cache
+def _cpu_block_rows() -> int | None:
+    """Rows per block of ``_convert_weight_to_int4pack_for_cpu`` in this build (64 on AVX-512, 32 on
+    AVX2), verified by inverting the op on several shapes; None where neither inverts it."""
+    if not _int4_kernel_ok("cpu"):
+        return None
+    g = torch.Generator().manual_seed(99)
+    probes = []
+    for n in (16, 48, 64, 80, 144):
+        q = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
+        probes.append((n, q, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)))
+    for block in (64, 32):
+        if all(packed.dtype == torch.uint8 and torch.equal(_decode_cpu_layout(packed, n, 64, block), q.to(torch.uint8))
+               for n, q, packed in probes):
+            return block
+    log.info("quant: int4 CPU packing differs from the known layouts; decoding through the kernel")
+    return None
+
+
 def _cpu_layout_decoder_ok() -> bool:
     """Whether :func:`_decode_cpu_layout` inverts ``_convert_weight_to_int4pack_for_cpu`` in this build."""
-    if not _int4_kernel_ok("cpu"):
-        return False
-    g = torch.Generator().manual_seed(99)
-    for n in (16, 48, 64, 144):
-        q = torch.randint(0, 16, (n, 64), generator=g, dtype=torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        if packed.dtype != torch.uint8 or not torch.equal(_decode_cpu_layout(packed, n, 64), q.to(torch.uint8)):
-            log.info("quant: int4 CPU packing differs from the known layout; decoding through the kernel")
-            return False
-    return True
+    return _cpu_block_rows() is not None
 
 
 def kernel_report() -> dict[str, dict[str, str]]:
@@ -525,16 +535,20 @@ def _unpack_plain(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p >> 4, p & 15], dim=-1).view(p.shape[0], -1)
 
 
-def _decode_cpu_layout(p: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Invert ``_convert_weight_to_int4pack_for_cpu`` (torch 2.6-2.13): rows in blocks of 64, each stored
-    as ``[K, 32]`` bytes, low nibble row ``j``, high nibble row ``j + 32``; the last ``N % 64`` rows as
-    ``[K, r/2]`` bytes, low nibble row ``2j``, high nibble row ``2j + 1``. Verified against the op at
-    first use (:func:`_cpu_layout_decoder_ok`)."""
+def _decode_cpu_layout(p: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu`` (torch 2.6-2.13): rows in blocks of ``block`` (64
+    where the op was built for AVX-512, 32 for AVX2), each stored as ``[K, block/2]`` bytes, low nibble
+    row ``j``, high nibble row ``j + block/2``; the last ``N % block`` rows as ``[K, r/2]`` bytes, low
+    nibble row ``2j``, high nibble row ``2j + 1``. The block is found and verified against the op at
+    first use (:func:`_cpu_block_rows`)."""
+    block = block or _cpu_block_rows()
+    assert block, "the CPU int4 layout is unknown in this build"
+    half = block // 2
     flat = p.reshape(-1)
-    full = n // 64 * 64
+    full = n // block * block
     parts = []
     if full:
-        b = flat[: full * k // 2].view(full // 64, k, 32)  # [B, K, 32]
+        b = flat[: full * k // 2].view(full // block, k, half)  # [B, K, block/2]
         parts.append(torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(full, k))
     if n > full:
         b = flat[full * k // 2:].view(k, (n - full) // 2)  # [K, r/2]
