@@ -12,7 +12,15 @@ from importlib import metadata
 from typing import Any
 
 import psutil
-import torch
+
+
+def _torch() -> Any:
+    """torch, or None in a process without it (a backend without tensors runs there)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def _cpu_model() -> str:
@@ -48,7 +56,8 @@ def hardware() -> dict[str, Any]:
         "cpu_features": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))),
         "gpu": None,
     }
-    if torch.cuda.is_available():
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": p.name, "count": torch.cuda.device_count(), "mem_total_bytes": p.total_memory,
                        "sm_count": p.multi_processor_count}
@@ -64,5 +73,7 @@ def software() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             return "absent"
 
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
-            "cuda": torch.version.cuda or "none", "platform": platform.platform()}
+    torch = _torch()
+    return {"python": sys.version.split()[0], "torch": torch.__version__ if torch is not None else "absent",
+            "moetune": version("moetune"), "cuda": (torch.version.cuda or "none") if torch is not None else "none",
+            "platform": platform.platform()}

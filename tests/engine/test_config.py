@@ -125,6 +125,23 @@ def test_search_without_choices_takes_the_literal_choices():
     assert by_key["runtime.compute_dtype"].search.choices == ("auto", "checkpoint", "float32")
 
 
+def test_plain_configs_are_derived_from_the_registry():
+    from engine.config import departures_from_plain
+    from engine.runtime import is_plain
+
+    base = EngineConfig()
+    assert departures_from_plain(base) == [] and is_plain(base)
+    assert departures_from_plain(base.replace(residency="static")) == ["experts.residency"]
+    assert departures_from_plain(base.replace(top_k_override=2, expert_batching="micro")) == [
+        "execution.expert_batching", "routing.top_k_override"]
+    # knobs the plain engine honours itself, and knobs inactive under their parents, keep it plain
+    assert is_plain(base.replace(decode_attention="host"))
+    assert is_plain(base.replace(lo_precision="int8", hotness_warmup_tokens=9, micro_batch_tokens=3))
+    for knobs_ in (dict(hi_precision="int8"), dict(max_replicas=1), dict(host_expert_threads=1),
+                   dict(expert_sm_share=0.5), dict(min_gate_weight=0.1)):
+        assert not is_plain(base.replace(**knobs_)), knobs_
+
+
 def test_one_flat_to_nested_merge():
     from engine.config import merge_flat
 
