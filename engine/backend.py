@@ -3,11 +3,12 @@
 :func:`engine.runner.run_workload` drives any :class:`Backend`: it ``start``s a run, ``add``s each
 request when the :class:`Clock` reaches its arrival, ``step``s while the backend ``has_work`` and
 ``finish``es the run; ``describe`` says what ran (model, device, precisions, which backend) and
-``reconfigure`` applies a new config between runs. Backends:
+``reconfigure`` applies a new config between runs. Two backends implement it:
 
 - ``live`` (:class:`engine.backend_live.LiveBackend`): the torch engine, on the wall clock;
-- a backend without tensors runs the same scheduler and the same expert plans on a
-  :class:`VirtualClock` that jumps to the next arrival.
+- ``stub`` (:class:`engine.backend_stub.StubBackend`): the same scheduler and the same expert plans,
+  routed token by token from a router trace, with no tensors, on a virtual clock that jumps to the
+  next arrival. It prices nothing yet (every step takes 0 s); the simulator will.
 
 No torch here: a backend without tensors imports this module alone.
 """
@@ -28,8 +29,8 @@ from engine.sequences import Sequence, StepOutcome
 if TYPE_CHECKING:
     from workloads.router import RouterTrace
 
-BackendKind = Literal["live"]
-BACKENDS: tuple[BackendKind, ...] = ("live",)
+BackendKind = Literal["live", "stub"]
+BACKENDS: tuple[BackendKind, ...] = ("live", "stub")
 
 
 class Clock(Protocol):
@@ -151,13 +152,20 @@ def make_backend(model: str | Path, config: EngineConfig | None = None, kind: Ba
     """A backend for ``model`` (a checkpoint directory or ``builtin:<arch>-<preset>``) with ``config``.
 
     ``kind="live"`` loads the model (options: ``cost_model``, a calibrated
-    :class:`~engine.moe.policy.CostModel` to use instead of this machine's).
+    :class:`~engine.moe.policy.CostModel` to use instead of this machine's). ``kind="stub"`` reads
+    only the checkpoint's config and router fingerprint (options: ``trace`` to route from instead of
+    the workload's, ``weight_precision`` of the experts as loaded, ``cost_model`` for
+    ``missing_expert=auto``).
     """
     if kind == "live":
         from engine.backend_live import LiveBackend
         from engine.runtime import Engine
 
         return LiveBackend(Engine(model, config, cost_model=options.pop("cost_model", None)), **options)
+    if kind == "stub":
+        from engine.backend_stub import StubBackend
+
+        return StubBackend.from_checkpoint(model, config, **options)
     raise ValueError(f"backend kind {kind!r} is not one of {', '.join(BACKENDS)}")
 
 

@@ -12,6 +12,7 @@ import logging
 import sys
 from typing import Any
 
+from engine.backend import BACKENDS
 from engine.config import ConfigError, EngineConfig, add_cli_args, config_from_args, knob_table
 from engine.model.arch import ARCHS, CheckpointError
 from engine.model.maker import DEFAULT_ROUTER_SKEW, PRESETS
@@ -111,7 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     if getattr(args, "config", None):
         _warn_if_tuned_elsewhere(args.config, args.model)
-    backend = make_backend(args.model, cfg)
+    backend = make_backend(args.model, cfg, kind=args.backend)
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
@@ -273,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decisions", metavar="OUT.jsonl",
                    help="write the expert plan of every step and MoE layer here, one JSON object a line "
                         "(also the result's 'decisions' field)")
+    r.add_argument("--backend", choices=BACKENDS, default="live",
+                   help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
+                        "router trace, with no tensors (prices nothing: steps take 0 s)")
     r.add_argument("--quiet", action="store_true")
     model_args(r)
     r.set_defaults(fn=cmd_run)

@@ -17,7 +17,7 @@ from engine.moe.policy.plan import DecisionLog, ExpertRun, plan_runs
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("path", ["engine/backend.py", "engine/sequences.py",
+@pytest.mark.parametrize("path", ["engine/backend.py", "engine/backend_stub.py", "engine/sequences.py",
                                   "engine/moe/planning.py", "engine/precision.py", "engine/moe/policy/plan.py",
                                   "engine/moe/policy/controller.py"])
 def test_decision_code_imports_no_torch_at_module_level(path):
