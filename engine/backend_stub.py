@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.backend import RunStart, RunTail, VirtualClock
-from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig
+from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain
 from engine.model.arch import ModelSpec
 from engine.moe.planning import plan_settings, tier_precisions
 from engine.moe.policy.controller import ResidencyController
@@ -38,12 +38,6 @@ if TYPE_CHECKING:
 
 NO_TOKEN = -1
 """The token id the stub reports for every generated token (it computes no logits)."""
-
-
-def _is_plain(config: EngineConfig) -> bool:
-    from engine.config import departures_from_plain
-
-    return not departures_from_plain(config)
 
 
 class StubBackend:
@@ -123,7 +117,7 @@ class StubBackend:
                               f"experts than a router trace holds (the model's top_k={self._spec.top_k})")
         self._config = config
         self.settings = plan_settings(config, self._spec, self.weight_precision)
-        self.plain = _is_plain(config)
+        self.plain = not departures_from_plain(config)  # the live engine runs no hybrid executor then
         self.seqs = SequenceTable(config.scheduler, self._spec.vocab_size)
         self.stats = MoEStats()
         self.controller = ResidencyController(self.settings)
@@ -181,8 +175,7 @@ class StubBackend:
             decision = self.controller.plan_layer(li, layer_ids)
             self.stats.add(layer, decision.counts)
         ctl = self.controller
-        wants = ctl.dynamic is not None or ctl.settings.max_replicas > 0
-        ctl.end_step(self.stats.step_counts(spec.moe_layers) if wants else None, layout.n_tokens)
+        ctl.end_step(self.stats.step_counts(spec.moe_layers) if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
         return StepOutcome(0.0, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced, finished)
 

@@ -236,9 +236,7 @@ class MoEDecoder:
     def end_step(self, n_tokens: int) -> None:
         """After a forward step of ``n_tokens`` tokens: the controller's step-end decisions, executed."""
         ctl = self.controller
-        s = ctl.settings
-        wants = ctl.dynamic is not None or s.max_replicas > 0
-        counts = self.stats.step_counts(self.spec.moe_layers) if wants else None
+        counts = self.stats.step_counts(self.spec.moe_layers) if ctl.wants_step_counts else None
         if self.hybrid is not None:
             self.hybrid.observe(counts, n_tokens)
         else:

@@ -221,13 +221,21 @@ class ResidencyController:
         return loaded, tuple(evicted)
 
     # ------------------------------------------------------------------ per step
-    def end_step(self, counts: np.ndarray, tokens: int) -> StepMoves:
+    @property
+    def wants_step_counts(self) -> bool:
+        """Whether :meth:`end_step` reads the step's routed counts (dynamic residency, replicas)."""
+        return self.dynamic is not None or self.settings.max_replicas > 0
+
+    def end_step(self, counts: np.ndarray | None, tokens: int) -> StepMoves:
         """After a step: routed tokens per expert ``[L, E]`` over ``tokens`` tokens feed dynamic
-        residency and replica planning; returns what changes from the next step on."""
+        residency and replica planning (``counts`` may be None unless :attr:`wants_step_counts`);
+        returns what changes from the next step on."""
         s = self.settings
         demotions: tuple = ()
         promotions: tuple = ()
         replanned = False
+        if self.wants_step_counts and counts is None:
+            raise ValueError("end_step needs the step's routed counts (dynamic residency or replicas)")
         if self.dynamic is not None:
             res = self.dynamic.update(counts, tokens)
             if res is not None:
@@ -244,7 +252,7 @@ class ResidencyController:
                 self.plan = res.plan
                 self.tiers = res.plan.tier_codes().astype(np.int8)
         changes: list[ReplicaChange] = []
-        if s.max_replicas > 0:
+        if s.max_replicas > 0 and counts is not None:
             self._recent.append(np.asarray(counts))
             self._recent_tokens += int(tokens)
             if self._recent_tokens >= s.replica_window_tokens:
