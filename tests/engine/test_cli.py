@@ -112,7 +112,13 @@ def test_run_writes_decisions_and_replays_them_on_the_stub(model_dir, tmp_path, 
     recorded = tmp_path / "recorded"
     assert workloads_main(["record", "--model", model_dir, "--workload", "builtin:tiny", "--out", str(recorded),
                            "--max-requests", "4"]) == 0
-    knobs = ["--compute-dtype", "float32", "--residency", "cache", "--resident-budget-gib", "0.001",
+    from pathlib import Path
+
+    from engine.model.arch import read_config
+
+    _, spec = read_config(Path(model_dir))
+    two_bf16_experts_gib = 2 * 3 * spec.hidden_size * spec.expert_intermediate * 2 * len(spec.moe_layers) / 2**30
+    knobs = ["--compute-dtype", "float32", "--residency", "cache", "--resident-budget-gib", f"{two_bf16_experts_gib:.9f}",
              "--missing-expert", "host", "--mode", "offline", "--quiet"]
     files = {}
     for backend in ("live", "stub"):
