@@ -147,7 +147,8 @@ class StubBackend:
         self.hotness = profile.hotness() if r.residency in HOTNESS_RESIDENCIES else None
         cost = self.cost_model if self._config.execution.missing_expert == "auto" and r.residency != "all" else None
         if cost is None and self._config.execution.missing_expert == "auto" and r.residency != "all":
-            raise ConfigError("stub backend: execution.missing_expert='auto' needs calibrated costs (cost_model)")
+            raise ConfigError("stub backend: execution.missing_expert='auto' needs calibrated costs (the stub's "
+                              "cost_model); without them use missing_expert host or fetch")
         self._log = DecisionLog() if run.decisions else None
         self.controller = ResidencyController(self.settings, self.hotness, cost, self._log)
         self.stats.reset()

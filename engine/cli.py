@@ -122,9 +122,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                               max_requests=args.max_requests, on_step=on_step, decisions=bool(args.decisions))
     s = result.summary()
     meta = result.meta
-    print(f"model {meta['model']['path']} ({meta['model']['arch']}, {meta['compute_dtype']} on {meta['device']}, "
-          f"{meta['backend']} backend); workload {workload.name} ({args.mode}); {s['requests_done']}/{s['requests']} "
-          f"requests in {s['duration_s']:.1f}s")
+    ran = f"{meta['compute_dtype']} on {meta['device']}" if meta["backend"] == "live" else \
+        f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
+    print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
+          f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
     rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
             for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
