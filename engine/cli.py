@@ -211,6 +211,51 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from engine.env import api_key as env_api_key
+    from engine.serve.app import bind_socket, make_server, uvicorn_server
+    from engine.serve.config import serve_config_from_args
+
+    settings = serve_config_from_args(args)
+    key = args.api_key or env_api_key()
+    engine = _load_engine(args)
+    name = settings.served_model_name or args.model
+    server = make_server(engine, settings, name, key)
+    sock = bind_socket(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    text = ("text and token ids" if server.text is not None else "token ids only (no tokenizer.json)")
+    print(f"engine: serving {name} ({engine.spec.arch}, {str(engine.dtype).replace('torch.', '')} on "
+          f"{engine.device}) with config {engine.config.config_hash()}"
+          + (f" from {args.config}" if args.config else " (defaults and flags)")
+          + f"; {text}; http://{host if ':' not in host else f'[{host}]'}:{port}/v1", flush=True)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not key:
+        print(f"engine: warning: listening on {host} without an API key (--api-key or MOETUNE_API_KEY)",
+              file=sys.stderr)
+    server.loop.start()
+    try:
+        uvicorn_server(server.app(), settings).run(sockets=[sock])
+    finally:
+        server.loop.close()
+        sock.close()
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from engine.serve.bench import format_bench, run_bench_serve
+
+    res = run_bench_serve(args)
+    print(format_bench(res))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_knobs(args: argparse.Namespace) -> int:
     rows = knob_table()
     if args.json:
@@ -298,6 +343,25 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quality-prompts", type=int, default=4)
     model_args(w)
     w.set_defaults(fn=cmd_sweep)
+
+    from engine.serve.config import add_serve_args
+
+    v = sub.add_parser("serve", help="the OpenAI API (completions, chat, models, metrics) for a model and config")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $MOETUNE_API_KEY; none: no key)")
+    model_args(v)
+    add_serve_args(v)
+    v.set_defaults(fn=cmd_serve)
+
+    bs = sub.add_parser("bench-serve", help="HTTP overhead: `workloads replay` against `engine serve` vs "
+                        "`engine run` in process, same workload and config")
+    bs.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    bs.add_argument("--mode", choices=["realtime", "offline"], default="realtime")
+    bs.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
+    bs.add_argument("--max-requests", type=int, default=20, help="replay the first N requests (0 = all)")
+    bs.add_argument("--repeats", type=int, default=3, help="interleaved rounds of (served, in process)")
+    model_args(bs)
+    bs.set_defaults(fn=cmd_bench_serve)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")
