@@ -61,9 +61,7 @@ class _Handle:
     def __init__(self, loop: EngineLoop, request_id: str):
         self.loop, self.request_id = loop, request_id
         self.queue: asyncio.Queue[tuple[Event, ...]] = asyncio.Queue()
-        aio = asyncio.get_running_loop()
-        self.sink: Callable[[tuple[Event, ...]], None] = lambda events: aio.call_soon_threadsafe(
-            self.queue.put_nowait, events)
+        self.sink: Callable[[tuple[Event, ...]], None] = self.queue.put_nowait  # called on the event loop
         self.finished = False
         self.completion_tokens = 0
 
@@ -103,6 +101,11 @@ class _Handle:
                     yield Piece(r.text + stop.flush(), ev.token, _finish_reason(nxt.reason, False))
                     return
                 yield Piece(r.text, ev.token)
+
+
+def _deliver(items: list[tuple[Callable[[tuple[Event, ...]], None], tuple[Event, ...]]]) -> None:
+    for sink, events in items:
+        sink(events)
 
 
 def _finish_reason(engine_reason: str, stopped: bool) -> str:
@@ -173,6 +176,8 @@ class Server:
         self.loop, self.text, self.settings, self.model_name = loop, text, settings, model_name
         self.metrics, self.api_key, self.hardware = metrics, api_key, hardware or {}
         self.created = int(time.time())
+        self._aio: asyncio.AbstractEventLoop | None = None
+        loop.dispatch = self._dispatch
         if text is not None and text.vocab_size > loop.info.vocab_size:
             raise TextError(f"{loop.info.path}/tokenizer.json has {text.vocab_size} tokens; the model's "
                             f"vocabulary has only {loop.info.vocab_size}")
@@ -242,6 +247,8 @@ class Server:
                 prompt = self.text.encode_chat(messages)
             except TemplateInputError as e:
                 raise bad_request(str(e), "messages") from None
+            except TextError as e:  # the template itself is at fault: the server's problem, not the client's
+                raise ApiError(500, str(e)) from None
             return await self._generate(request, req, "chat", prompt, req.token_limit, "messages", arrival)
 
         return _Guard(api, self.api_key)
@@ -259,6 +266,12 @@ class Server:
                             "chat_template": self.text is not None and self.text.template is not None}}
 
     # ------------------------------------------------------------------ request plumbing
+    def _dispatch(self, items: list[tuple[Callable[[tuple[Event, ...]], None], tuple[Event, ...]]]) -> None:
+        """From the engine loop's thread: one wake-up of the event loop per step, for every request."""
+        if self._aio is None:
+            raise RuntimeError("no request was ever queued from an event loop")
+        self._aio.call_soon_threadsafe(_deliver, items)
+
     async def _body(self, request: Request) -> bytes:
         cap = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
@@ -307,6 +320,7 @@ class Server:
                                   top_k=None if req.top_k is None else max(req.top_k, 0),
                                   ignore_eos=req.ignore_eos, seed=req.seed)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self._aio = asyncio.get_running_loop()
         handle = _Handle(self.loop, rid)
         try:
             self.loop.submit(rid, prompt, max_tokens, sampling, handle.sink, arrival)
@@ -326,14 +340,18 @@ class Server:
     async def _complete(self, request: Request, handle: _Handle, req: Any, kind: str, prompt: list[int],
                         stops: list[str]) -> dict[str, Any]:
         text, ids, finish = [], [], None
+        failed: ApiError | None = None
 
         async def collect() -> None:
-            nonlocal finish
-            async for p in handle.pieces(self.text, stops):
-                text.append(p.text)
-                if p.token is not None:
-                    ids.append(p.token)
-                finish = p.finish_reason
+            nonlocal finish, failed
+            try:
+                async for p in handle.pieces(self.text, stops):
+                    text.append(p.text)
+                    if p.token is not None:
+                        ids.append(p.token)
+                    finish = p.finish_reason
+            except ApiError as e:  # raised below, outside the task group (which would wrap it)
+                failed = e
 
         gone = False
         try:
@@ -353,6 +371,8 @@ class Server:
         if gone:
             log.info("request %s: client disconnected; aborted", handle.request_id)
             return Response(status_code=499)
+        if failed is not None:
+            raise failed
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": "".join(text)}

@@ -3,7 +3,8 @@
 Requests from every HTTP client join the engine's continuous batching through :meth:`EngineLoop.submit`;
 the thread runs :meth:`Engine.step` while there is work and hands what each step produced for a
 request (its token, and its end when it ended) to the request's ``sink`` in one call: a callable
-that must not block (the HTTP side passes one that wakes its event loop). The HTTP side never calls the engine: it only queues (submit, abort) and streams.
+that must not block. With a ``dispatch`` (the HTTP side sets one that wakes its event loop once per
+step), the step's ``(sink, events)`` pairs go to it instead, and it calls the sinks where it likes. The HTTP side never calls the engine: it only queues (submit, abort) and streams.
 
 A request that fails, a client that vanishes, a sink that raises, even an engine step that raises,
 ends only the requests concerned: the loop logs it and goes on.
@@ -63,6 +64,7 @@ class QueueFull(Exception):
 
 
 Sink = Callable[[tuple[Event, ...]], None]
+Dispatch = Callable[[list[tuple[Sink, tuple[Event, ...]]]], None]
 
 
 @dataclass
@@ -77,9 +79,11 @@ class _Live:
 class EngineLoop:
     """A scheduler thread driving one engine for many concurrent requests."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, metrics: ServeMetrics | None = None):
+    def __init__(self, engine: Engine, *, max_waiting: int, metrics: ServeMetrics | None = None,
+                 dispatch: Dispatch | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.dispatch = dispatch
         self.capacity = engine.config.scheduler.max_batch_seqs + max_waiting
         spec = engine.spec
         self.info = ModelInfo(
@@ -228,8 +232,7 @@ class EngineLoop:
         ended = {seq.key: seq.finish_reason or "length" for seq in out.finished if seq.key in self._live}
         for key, reason in ended.items():
             events.setdefault(key, []).append(Event("done", reason=reason, t=t))
-        for key, evs in events.items():
-            self._send(key, tuple(evs))
+        self._send_all({key: tuple(evs) for key, evs in events.items()})
         for key, reason in ended.items():
             self._finish(key, reason, t=t, notify=False)
         if self.metrics is not None:
@@ -239,12 +242,27 @@ class EngineLoop:
             self._count_tiers()
 
     def _send(self, request_id: str, events: tuple[Event, ...]) -> None:
-        live = self._live.get(request_id)
-        if live is None:
+        self._send_all({request_id: events})
+
+    def _send_all(self, batch: dict[str, tuple[Event, ...]]) -> None:
+        live = {k: self._live[k] for k in batch if k in self._live}
+        if not live:
             return
         try:
-            live.sink(events)
-        except Exception as e:  # the client's side is gone (its event loop closed, ...)
+            if self.dispatch is not None:
+                self.dispatch([(lv.sink, batch[k]) for k, lv in live.items()])
+                return
+        except Exception as e:  # the HTTP side is gone (its event loop closed, ...)
+            self._undeliverable(list(live), e)
+            return
+        for k, lv in live.items():
+            try:
+                lv.sink(batch[k])
+            except Exception as e:
+                self._undeliverable([k], e)
+
+    def _undeliverable(self, request_ids: list[str], e: Exception) -> None:
+        for request_id in request_ids:
             log.info("request %s: cannot deliver (%s); aborting it", request_id, e)
             self.engine.abort(request_id)
             self._finish(request_id, "abort", notify=False)
