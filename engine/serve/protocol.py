@@ -193,6 +193,16 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+def _shown(value: Any) -> str:
+    return json.dumps(value)[:80] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+
+
+def _input_at(data: Any, path: list[str]) -> Any:
+    for p in path:
+        data = data[int(p)] if isinstance(data, list) else data.get(p) if isinstance(data, dict) else None
+    return data
+
+
 # pydantic names the member of a union in an error's location ("str", "list[str]", "TextPart"): not a field.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z]+\[.*\]|[A-Z]\w*)$")
 
@@ -209,16 +219,24 @@ def parse_body(raw: bytes, model: type[_Sampling]) -> Any:
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _UNION_TAG.match(str(p))) or None
+        errors = e.errors()
+        err = errors[0]
+        loc = [str(p) for p in err["loc"]]
+        tag = next((i for i, p in enumerate(loc) if _UNION_TAG.match(p)), None)
+        if tag is not None:  # a union: name the field that holds it and every type it takes
+            param = ".".join(loc[:tag]) or None
+            tags = [str(x["loc"][tag]) for x in errors if len(x["loc"]) > tag and [str(p) for p in x["loc"][:tag]]
+                    == loc[:tag]]
+            got = _input_at(data, loc[:tag])
+            raise bad_request(f"{param}: expected {' or '.join(dict.fromkeys(tags))} (got {_shown(got)})", param,
+                              "invalid_type") from None
+        param = ".".join(loc) or None
         if err["type"] == "extra_forbidden":
             raise bad_request(f"unrecognized request argument supplied: {param}", param,
                               "unknown_parameter") from None
         if err["type"] == "missing":
             raise bad_request(f"{param}: required", param, "missing_required_parameter") from None
         msg = err["msg"].removeprefix("Value error, ")
-        got = err.get("input")
-        shown = json.dumps(got)[:80] if isinstance(got, (str, int, float, bool, type(None))) else type(got).__name__
-        raise bad_request(f"{param}: {msg} (got {shown})", param, "invalid_type") from None
+        raise bad_request(f"{param}: {msg} (got {_shown(err.get('input'))})", param, "invalid_type") from None
     req.check()
     return req

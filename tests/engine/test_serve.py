@@ -362,3 +362,24 @@ def test_the_loop_survives_a_failing_step(model_dir):
         m = metrics(url)
         assert m[("moetune:engine_step_errors_total", ())] == 1 and srv.loop.alive
         assert not engine.running and sorted(engine.free_slots) == list(range(CONFIG["max_batch_seqs"]))
+
+
+def test_end_of_sequence_and_a_model_without_a_tokenizer(make_ckpt, model_dir):
+    probe = Engine(model_dir).generate([[5, 6, 7]], 12)[0]
+    eos = probe[5]  # the same weights with the 6th greedy token as end of sequence: no maker tokenizer fits
+    path = make_ckpt("qwen3_moe", eos_token_id=eos)
+    assert not (path / "tokenizer.json").exists()
+    with serving(Engine(path, EngineConfig().replace(**CONFIG)), MODEL) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        kw = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=12, extra_body={"ignore_eos": False,
+                                                                            "return_token_ids": True})
+        out = client.completions.create(**kw)
+        assert out.choices[0].finish_reason == "stop" and out.choices[0].model_extra["token_ids"] == probe[:6]
+        assert out.usage.completion_tokens == 6 and out.choices[0].text == ""  # ids only: no text to give
+        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+        assert len(chunks) == 6 and chunks[-1].choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="no tokenizer.json"):
+            client.completions.create(model=MODEL, prompt="text", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert client.models.list().data[0].model_extra["moetune"]["tokenizer"] is False
