@@ -1,4 +1,4 @@
-"""``engine``: make models, generate, replay workloads, benchmark, list knobs.
+"""``engine``: make models, generate, replay workloads, serve the OpenAI API, benchmark, list knobs.
 
 Every measuring command takes ``--json``: a readable table first, then one JSON object as the last
 line of stdout. Bad input is one line on stderr and exit status 2.
@@ -249,7 +249,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from engine.serve.bench import format_bench, run_bench_serve
 
-    res = run_bench_serve(args)
+    if args.config:
+        _warn_if_tuned_elsewhere(args.config, args.model)
+    res = run_bench_serve(args.model, _engine_config(args), args.workload, mode=args.mode, rate_scale=args.rate_scale,
+                          max_requests=args.max_requests or None, repeats=args.repeats,
+                          inprocess_thread=args.inprocess_thread)
     print(format_bench(res))
     if args.json:
         print(json.dumps(res))
@@ -360,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
     bs.add_argument("--max-requests", type=int, default=20, help="replay the first N requests (0 = all)")
     bs.add_argument("--repeats", type=int, default=3, help="interleaved rounds of (served, in process)")
+    bs.add_argument("--inprocess-thread", choices=["worker", "main"], default="worker",
+                    help="run the in-process replay on a worker thread (as the server's engine loop) or the main "
+                    "thread (as `engine run`)")
     model_args(bs)
     bs.set_defaults(fn=cmd_bench_serve)
 
