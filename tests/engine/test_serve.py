@@ -220,7 +220,7 @@ LONG = [7] * 600  # longer than the 512-token context
     ("/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least one"),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
-     "messages.0.content", "valid"),
+     "messages.0.content", "expected str or list[TextPart] (got 5)"),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages",
      "role must be"),
     ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,

@@ -268,3 +268,17 @@ def test_serve_settings_come_from_one_declaration():
     assert all(k.doc for k in serve_knobs()) and ServeConfig().host == "127.0.0.1"
     with pytest.raises(ConfigError):
         serve_knobs()[1].check(-1, "x")
+
+
+def test_bench_serve_command_runs_both_ways(model_dir, capsys):
+    """The HTTP-overhead benchmark end to end on a tiny run (it asserts no timing: that is its output)."""
+    from engine.cli import main
+
+    assert main(["bench-serve", "--model", str(model_dir), "--workload", "builtin:tiny", "--mode", "offline",
+                 "--max-requests", "3", "--repeats", "1", "--threads", "1", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    res = json.loads(out[-1])
+    assert [r["how"] for r in res["rows"]] == ["served", "inprocess"]
+    assert res["same_requests_and_tokens"] is True and res["rows"][0]["output_tokens"] > 0
+    assert res["tpot_p50_overhead_pct"] is not None and res["ttft_p50_overhead_ms"] is not None
+    assert any(line.startswith("HTTP overhead") for line in out)
