@@ -215,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ipaddress
 
     from engine.env import api_key as env_api_key
-    from engine.serve.app import bind_socket, make_server, uvicorn_server
+    from engine.serve.app import bind_socket, lower_this_thread, make_server, uvicorn_server
     from engine.serve.config import serve_config_from_args
 
     settings = serve_config_from_args(args)
@@ -237,7 +237,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not loopback and not key:
         print(f"engine: warning: listening on {host} without an API key (--api-key or MOETUNE_API_KEY)",
               file=sys.stderr)
-    server.loop.start()
+    server.loop.start()  # its thread, and the compute threads it starts, keep this thread's priority
+    lower_this_thread(settings.http_thread_nice)  # then HTTP (this thread) yields to engine steps
     try:
         uvicorn_server(server.app(), settings).run(sockets=[sock])
     finally:
@@ -253,7 +254,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         _warn_if_tuned_elsewhere(args.config, args.model)
     res = run_bench_serve(args.model, _engine_config(args), args.workload, mode=args.mode, rate_scale=args.rate_scale,
                           max_requests=args.max_requests or None, repeats=args.repeats,
-                          inprocess_thread=args.inprocess_thread)
+                          inprocess_thread=args.inprocess_thread, client_nice=args.client_nice)
     print(format_bench(res))
     if args.json:
         print(json.dumps(res))
@@ -367,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--inprocess-thread", choices=["worker", "main"], default="worker",
                     help="run the in-process replay on a worker thread (as the server's engine loop) or the main "
                     "thread (as `engine run`)")
+    bs.add_argument("--client-nice", type=int, default=10,
+                    help="niceness of the replay client's thread (a remote client would take none of this CPU)")
     model_args(bs)
     bs.set_defaults(fn=cmd_bench_serve)
 

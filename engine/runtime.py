@@ -382,14 +382,18 @@ class Engine:
         sp = self.config.sampling
         if all(seq.sampling is None for seq in order):
             return _sample_rows(logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
-        out = torch.empty(len(order), dtype=torch.long)
-        for i, seq in enumerate(order):  # requests with their own sampling: one row at a time
+        params = []
+        for seq in order:
             own = seq.sampling or SamplingParams()
-            temperature = sp.temperature if own.temperature is None else own.temperature
-            top_k = sp.top_k if own.top_k is None else own.top_k
-            top_p = sp.top_p if own.top_p is None else own.top_p
-            out[i] = _sample_rows(logits[i: i + 1], temperature, top_k, top_p,
-                                  seq.generator or self.generator)[0].cpu()
+            params.append((sp.temperature if own.temperature is None else own.temperature,
+                           sp.top_k if own.top_k is None else own.top_k,
+                           sp.top_p if own.top_p is None else own.top_p))
+        if all(p == params[0] for p in params) and all(seq.generator is None for seq in order):
+            return _sample_rows(logits, *params[0], self.generator)  # one batch: same as the config's path
+        out = logits.argmax(dim=-1).cpu()  # greedy rows; the others are sampled one at a time below
+        for i, (seq, p) in enumerate(zip(order, params, strict=True)):
+            if p[0] != 0.0:
+                out[i] = _sample_rows(logits[i: i + 1], *p, seq.generator or self.generator)[0].cpu()
         return out
 
     # ------------------------------------------------------------------ conveniences

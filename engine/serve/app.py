@@ -14,7 +14,9 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -422,6 +424,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.bind(addr)
     sock.set_inheritable(True)
     return sock
+
+
+def lower_this_thread(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux threads each have their own)."""
+    if nice > 0:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def uvicorn_server(app, settings: ServeConfig):

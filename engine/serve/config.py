@@ -32,6 +32,9 @@ class ServeConfig:
                               min=0, max=3600)
     max_body_bytes: int = knob(
         1 << 20, "Largest request body accepted; larger ones get 413.", min=1024, max=1 << 30)
+    http_thread_nice: int = knob(
+        10, "Linux niceness of the HTTP thread above the engine loop's: where the engine's threads fill "
+        "the CPU, its steps go first and HTTP work takes the gaps (0 = the same priority).", min=0, max=19)
     access_log: bool = knob(False, "Log every HTTP request (uvicorn's access log).")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = knob(
         "info", "uvicorn's log level.")

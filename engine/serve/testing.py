@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from engine.serve.app import Server, bind_socket, make_server, uvicorn_server
+from engine.serve.app import Server, bind_socket, lower_this_thread, make_server, uvicorn_server
 from engine.serve.config import ServeConfig
 
 
@@ -22,7 +22,11 @@ def serving(engine, model_name: str = "test-model", api_key: str | None = None, 
     port = sock.getsockname()[1]
     uv = uvicorn_server(server.app(), cfg)
     server.loop.start()
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    def run() -> None:
+        lower_this_thread(cfg.http_thread_nice)  # as `engine serve` does
+        uv.run(sockets=[sock])
+
+    thread = threading.Thread(target=run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not uv.started:
