@@ -274,7 +274,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         _warn_if_tuned_elsewhere(args.config, args.model)
     res = run_bench_serve(args.model, _engine_config(args), args.workload, mode=args.mode, rate_scale=args.rate_scale,
                           max_requests=args.max_requests or None, repeats=args.repeats,
-                          inprocess_thread=args.inprocess_thread, client_nice=args.client_nice)
+                          inprocess_thread=args.inprocess_thread, client_nice=args.client_nice,
+                          server_args=["--http-thread-nice", str(args.http_thread_nice)]
+                          if args.http_thread_nice is not None else None)
     print(format_bench(res))
     if args.json:
         print(json.dumps(res))
@@ -393,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--inprocess-thread", choices=["worker", "main"], default="worker",
                     help="run the in-process replay on a worker thread (as the server's engine loop) or the main "
                     "thread (as `engine run`)")
+    bs.add_argument("--http-thread-nice", type=int, help="the server's serve.http_thread_nice (default: its own)")
     bs.add_argument("--client-nice", type=int, default=10,
                     help="niceness of the replay client's thread (a remote client would take none of this CPU)")
     model_args(bs)

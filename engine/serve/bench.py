@@ -118,7 +118,8 @@ def _niced(nice: int, fn, *args, **kwargs):
 
 def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "realtime", rate_scale: float = 1.0,
                     max_requests: int | None = None, repeats: int = 3,
-                    inprocess_thread: str = "worker", client_nice: int = 10) -> dict[str, Any]:
+                    inprocess_thread: str = "worker", client_nice: int = 10,
+                    server_args: list[str] | None = None) -> dict[str, Any]:
     """Interleaved rounds of (served, in process) on ``workload_spec``; rows, medians and overheads."""
     from engine.runner import run_workload
     from engine.runtime import Engine
@@ -131,7 +132,7 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = str(Path(tmp) / "config.json")
         Path(cfg_path).write_text(json.dumps(config.to_dict()))
-        proc, url = start_server(model, cfg_path)
+        proc, url = start_server(model, cfg_path, server_args)
         try:
             engine = Engine(model, config)
             options = ReplayOptions(mode=mode, rate_scale=rate_scale, max_requests=max_requests)  # type: ignore[arg-type]
@@ -164,7 +165,7 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
     from engine.hwinfo import hardware
 
     return {"model": model, "config_hash": config.config_hash(), "workload": workload.name, "mode": mode,
-            "inprocess_thread": inprocess_thread, "client_nice": client_nice,
+            "inprocess_thread": inprocess_thread, "client_nice": client_nice, "server_args": server_args or [],
             "rate_scale": rate_scale, "max_requests": max_requests, "repeats": repeats, "rows": rows,
             "median": med, "tpot_p50_overhead_pct": tpot_pct, "ttft_p50_overhead_ms": ttft_ms,
             "targets": {"tpot_p50_overhead_pct": TPOT_TARGET_PCT, "ttft_p50_overhead_ms": TTFT_TARGET_MS},
