@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling (the OpenAI API's fields); a field left None takes the engine config's
+    ``sampling`` knob. ``seed`` gives the request its own random stream."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
+
+
 @dataclass
 class Sequence:
     seq_id: int
@@ -38,6 +50,8 @@ class Sequence:
     n_prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    sampling: SamplingParams | None = None  # None: the engine config's sampling knobs
+    generator: torch.Generator | None = None  # the request's own stream (a seeded request)
 
     @property
     def prompt_len(self) -> int:
@@ -260,13 +274,19 @@ class Engine:
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
-    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
+    def add(self, key: str, prompt: list[int], max_new_tokens: int,
+            sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request; ``sampling`` overrides the config's sampling knobs for this request alone."""
         if not prompt:
             raise ValueError(f"request {key}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"request {key}: token id {bad[0]} outside the vocabulary of {self.spec.vocab_size}")
         seq = Sequence(self._next_id, key, list(prompt), max_new_tokens)
+        if sampling is not None and sampling != SamplingParams():
+            seq.sampling = sampling
+            if sampling.seed is not None:
+                seq.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
         self._next_id += 1
         if len(prompt) + max_new_tokens > self.config.scheduler.max_seq_len_tokens:
             seq.finish_reason = "rejected"
@@ -275,6 +295,22 @@ class Engine:
             return seq
         self.waiting.append(seq)
         return seq
+
+    def abort(self, key: str) -> Sequence | None:
+        """Drop the waiting or running request ``key`` and free its KV cache slot; None if unknown
+        (never added, or already finished)."""
+        for seq in self.waiting:
+            if seq.key == key:
+                self.waiting.remove(seq)
+                seq.finish_reason = "abort"
+                return seq
+        for seq in self.running:
+            if seq.key == key:
+                self.running.remove(seq)
+                heapq.heappush(self.free_slots, seq.slot)
+                seq.finish_reason = "abort"
+                return seq
+        return None
 
     @property
     def has_work(self) -> bool:
@@ -328,16 +364,19 @@ class Engine:
         hybrid = self.model.hybrid
         if hybrid is not None and (hybrid.state.dynamic is not None or self.config.execution.max_replicas > 0):
             hybrid.observe(self.model.stats.step_counts(self.spec.moe_layers), len(ids))
-        next_ids = self._sample(logits).tolist()
+        next_ids = self._sample(logits, order).tolist()
         produced: list[tuple[str, int]] = []
         finished: list[Sequence] = []
         eos = set(self.spec.eos_token_ids)
         for seq, tok in zip(order, next_ids, strict=True):
             seq.output.append(tok)
             produced.append((seq.key, tok))
+            ignore_eos = self.config.sampling.ignore_eos
+            if seq.sampling is not None and seq.sampling.ignore_eos is not None:
+                ignore_eos = seq.sampling.ignore_eos
             if len(seq.output) >= seq.max_new_tokens:
                 seq.finish_reason = "length"
-            elif not self.config.sampling.ignore_eos and tok in eos:
+            elif not ignore_eos and tok in eos:
                 seq.finish_reason = "eos"
             if seq.finish_reason:
                 finished.append(seq)
@@ -351,21 +390,24 @@ class Engine:
         return StepOutcome(time.perf_counter() - t0, len({s.slot for s in segments}), prefill_tokens,
                            len(decode_seqs), produced, finished)
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, order: list[Sequence]) -> torch.Tensor:
+        """One token per row of ``logits`` [S', V]; row i belongs to ``order[i]``."""
         sp = self.config.sampling
-        if sp.temperature == 0.0:
-            return logits.argmax(dim=-1)
-        logits = logits.cpu() / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(logits, min(sp.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if all(seq.sampling is None for seq in order):
+            return _sample_rows(logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
+        params = []
+        for seq in order:
+            own = seq.sampling or SamplingParams()
+            params.append((sp.temperature if own.temperature is None else own.temperature,
+                           sp.top_k if own.top_k is None else own.top_k,
+                           sp.top_p if own.top_p is None else own.top_p))
+        if all(p == params[0] for p in params) and all(seq.generator is None for seq in order):
+            return _sample_rows(logits, *params[0], self.generator)  # one batch: same as the config's path
+        out = logits.argmax(dim=-1).cpu()  # greedy rows; the others are sampled one at a time below
+        for i, (seq, p) in enumerate(zip(order, params, strict=True)):
+            if p[0] != 0.0:
+                out[i] = _sample_rows(logits[i: i + 1], *p, seq.generator or self.generator)[0].cpu()
+        return out
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -374,3 +416,21 @@ class Engine:
         while self.has_work:
             self.step()
         return [s.output for s in seqs]
+
+
+def _sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Greedy (temperature 0) or temperature/top-k/top-p sampling of one token per row."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.cpu() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
