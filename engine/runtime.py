@@ -20,10 +20,10 @@ from engine.model.decoder import KVCache, MoEDecoder, StepBatch
 from engine.model.maker import resolve_model
 from engine.moe.planning import plan_settings
 from engine.precision import precision_of, torch_dtype
-from engine.sequences import Sequence, SequenceTable, StepOutcome
+from engine.sequences import SamplingParams, Sequence, SequenceTable, StepOutcome
 
-__all__ = ["Engine", "Sequence", "StepOutcome", "fast_tier_bytes", "is_plain", "pick_device", "pick_dtype",
-           "pick_weight_dtype", "weights_key"]
+__all__ = ["Engine", "SamplingParams", "Sequence", "StepOutcome", "fast_tier_bytes", "is_plain", "pick_device",
+           "pick_dtype", "pick_weight_dtype", "weights_key"]
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,15 @@ def pick_weight_dtype(choice: str, compute: torch.dtype, stored: torch.dtype, de
     if device.type != "cpu" or compute != torch.float32 or stored not in kernels.HALF_DTYPES or choice == "torch":
         return compute
     if kernels.load() is None:
+        st = kernels.status()
         if choice == "native":
             raise ConfigError(f"runtime.cpu_kernels='native': the kernels cannot be built here "
-                              f"({kernels.status()['error']}); use 'auto' or 'torch'")
-        return compute
+                              f"({st['error']}); use 'auto' or 'torch'")
+        if st["state"] == "broken":  # a compiler that fails is a bug to fix, not a reason to run at half speed
+            raise ConfigError(f"runtime.cpu_kernels='auto': the native kernels failed to build with "
+                              f"{st['compiler']} ({st['error']}); fix the build (see `engine doctor`) or "
+                              "pass --cpu-kernels torch")
+        return compute  # no compiler at all: PyTorch's products, and every result says so
     return stored
 
 
@@ -119,12 +124,20 @@ class Engine:
 
     @property
     def kernels_label(self) -> str:
-        """Which products run: "native (avx512)" (engine.kernels) or "torch"."""
-        if not self.model.native:
-            return "torch"
+        """Which products run and why: "native (avx2)" (engine.kernels) or "torch (<reason>)"."""
         from engine import kernels
 
-        return f"native ({kernels.status()['isa']})"
+        if self.model.native:
+            return f"native ({kernels.status()['isa']})"
+        if self.device.type != "cpu":
+            return f"torch ({self.device.type})"
+        if self.config.runtime.cpu_kernels == "torch":
+            return "torch (runtime.cpu_kernels=torch)"
+        if self.weight_dtype == self.ckpt.dtype == self.dtype:
+            return f"torch ({str(self.dtype).replace('torch.', '')} weights as stored)"
+        if self.dtype != torch.float32:
+            return f"torch ({str(self.dtype).replace('torch.', '')} compute)"
+        return f"torch (no native kernels: {kernels.status()['error']})"
 
     def _expert_device(self, config: EngineConfig) -> torch.device:
         # With a GPU and partial residency, all experts load to host memory and the plan copies some up.
@@ -201,6 +214,10 @@ class Engine:
     def waiting(self):
         return self.seqs.waiting
 
+    @property
+    def free_slots(self) -> list[int]:
+        return self.seqs.free_slots
+
     def reconfigure(self, config: EngineConfig) -> float:
         """Apply a new config without reloading weights when only runtime knobs change; returns seconds."""
         t = time.perf_counter()
@@ -223,8 +240,18 @@ class Engine:
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
-    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
-        return self.seqs.add(key, prompt, max_new_tokens)
+    def add(self, key: str, prompt: list[int], max_new_tokens: int,
+            sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request; ``sampling`` overrides the config's sampling knobs for this request alone."""
+        seq = self.seqs.add(key, prompt, max_new_tokens, sampling)
+        if seq.sampling is not None and seq.sampling.seed is not None:
+            seq.generator = torch.Generator(device="cpu").manual_seed(seq.sampling.seed)
+        return seq
+
+    def abort(self, key: str) -> Sequence | None:
+        """Drop the waiting or running request ``key`` and free its KV cache slot; None if unknown
+        (never added, or already finished)."""
+        return self.seqs.abort(key)
 
     @property
     def has_work(self) -> bool:
@@ -244,7 +271,7 @@ class Engine:
                           torch.tensor(layout.positions, device=self.device), layout.segments)
         logits = self.model.forward(batch, self.cache)  # [S', V]
         self.model.end_step(layout.n_tokens)
-        next_ids = self._sample(logits).tolist()
+        next_ids = self._sample(logits, layout.sampled).tolist()
         produced, finished = self.seqs.finish_step(layout, next_ids, self.spec.eos_token_ids,
                                                    self.config.sampling.ignore_eos)
         if self.device.type == "cuda":
@@ -252,21 +279,24 @@ class Engine:
         return StepOutcome(time.perf_counter() - t0, layout.batch_seqs, layout.prefill_tokens,
                            layout.decode_tokens, produced, finished)
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, order: list[Sequence]) -> torch.Tensor:
+        """One token per row of ``logits`` [S', V]; row i belongs to ``order[i]``."""
         sp = self.config.sampling
-        if sp.temperature == 0.0:
-            return logits.argmax(dim=-1)
-        logits = logits.cpu() / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(logits, min(sp.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if all(seq.sampling is None for seq in order):
+            return _sample_rows(logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
+        params = []
+        for seq in order:
+            own = seq.sampling or SamplingParams()
+            params.append((sp.temperature if own.temperature is None else own.temperature,
+                           sp.top_k if own.top_k is None else own.top_k,
+                           sp.top_p if own.top_p is None else own.top_p))
+        if all(p == params[0] for p in params) and all(seq.generator is None for seq in order):
+            return _sample_rows(logits, *params[0], self.generator)  # one batch: same as the config's path
+        out = logits.argmax(dim=-1).cpu()  # greedy rows; the others are sampled one at a time below
+        for i, (seq, p) in enumerate(zip(order, params, strict=True)):
+            if p[0] != 0.0:
+                out[i] = _sample_rows(logits[i: i + 1], *p, seq.generator or self.generator)[0].cpu()
+        return out
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -275,3 +305,21 @@ class Engine:
         while self.has_work:
             self.step()
         return [s.output for s in seqs]
+
+
+def _sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Greedy (temperature 0) or temperature/top-k/top-p sampling of one token per row."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.cpu() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -15,11 +15,24 @@ from collections import deque
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import SchedulerConfig
 from engine.scheduler import plan_step
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling (the OpenAI API's fields); a field left None takes the engine config's
+    ``sampling`` knob. ``seed`` gives the request its own random stream."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    ignore_eos: bool | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -32,6 +45,8 @@ class Sequence:
     n_prefilled: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    sampling: SamplingParams | None = None  # None: the engine config's sampling knobs
+    generator: Any = None  # the request's own random stream (a seeded request; a torch.Generator live)
 
     @property
     def prompt_len(self) -> int:
@@ -103,14 +118,18 @@ class SequenceTable:
         self.waiting: deque[Sequence] = deque()
         self._next_id = 0
 
-    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
-        """Queue a request; one that cannot fit ``max_seq_len_tokens`` comes back ``rejected``."""
+    def add(self, key: str, prompt: list[int], max_new_tokens: int,
+            sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request (``sampling`` overrides the config's sampling knobs for it); one that cannot
+        fit ``max_seq_len_tokens`` comes back ``rejected``."""
         if not prompt:
             raise ValueError(f"request {key}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {key}: token id {bad[0]} outside the vocabulary of {self.vocab_size}")
         seq = Sequence(self._next_id, key, list(prompt), max_new_tokens)
+        if sampling is not None and sampling != SamplingParams():
+            seq.sampling = sampling
         self._next_id += 1
         if len(prompt) + max_new_tokens > self.cfg.max_seq_len_tokens:
             seq.finish_reason = "rejected"
@@ -129,13 +148,13 @@ class SequenceTable:
         for seq in self.waiting:
             if seq.key == key:
                 self.waiting.remove(seq)
-                seq.finish_reason = "aborted"
+                seq.finish_reason = "abort"
                 return seq
         for seq in self.running:
             if seq.key == key:
                 self.running.remove(seq)
                 heapq.heappush(self.free_slots, seq.slot)
-                seq.finish_reason = "aborted"
+                seq.finish_reason = "abort"
                 return seq
         return None
 
@@ -179,16 +198,20 @@ class SequenceTable:
 
     def finish_step(self, layout: StepLayout, next_ids: Seq[int], eos_ids: Collection[int],
                     ignore_eos: bool) -> tuple[list[tuple[str, int]], list[Sequence]]:
-        """Append each sampled sequence's next token; retire those at their length or at EOS.
-        Returns the (request key, token) pairs in row order and the finished sequences."""
+        """Append each sampled sequence's next token; retire those at their length or at EOS (unless
+        ``ignore_eos``, or the sequence's own sampling says otherwise). Returns the (request key,
+        token) pairs in row order and the finished sequences."""
         produced: list[tuple[str, int]] = []
         finished: list[Sequence] = []
         for seq, tok in zip(layout.sampled, next_ids, strict=True):
             seq.output.append(tok)
             produced.append((seq.key, tok))
+            ignore = ignore_eos
+            if seq.sampling is not None and seq.sampling.ignore_eos is not None:
+                ignore = seq.sampling.ignore_eos
             if len(seq.output) >= seq.max_new_tokens:
                 seq.finish_reason = "length"
-            elif not ignore_eos and tok in eos_ids:
+            elif not ignore and tok in eos_ids:
                 seq.finish_reason = "eos"
             if seq.finish_reason:
                 finished.append(seq)

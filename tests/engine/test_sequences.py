@@ -40,7 +40,7 @@ def test_eos_rejection_and_abort():
     assert x.finish_reason == "eos" and not t.has_work
     y, z = t.add("y", [1, 2], 5), t.add("z", [3], 5)
     t.next_step()
-    assert t.abort("y") is y and y.finish_reason == "aborted" and t.abort("nope") is None
+    assert t.abort("y") is y and y.finish_reason == "abort" and t.abort("nope") is None
     assert len(t.free_slots) == 1 and [s.key for s in t.running] == ["z"] and z.slot >= 0
     with pytest.raises(ValueError, match="token id 100 outside"):
         t.add("bad", [100], 1)
