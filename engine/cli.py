@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from engine.backend import BACKENDS
 from engine.config import ConfigError, EngineConfig, add_cli_args, config_from_args, knob_table
 from engine.model.arch import ARCHS, CheckpointError
 from engine.model.maker import DEFAULT_ROUTER_SKEW, PRESETS
@@ -123,22 +124,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from engine.backend import make_backend
     from engine.runner import popularity, run_workload
     from workloads.schema import load_workload
 
     workload = load_workload(args.workload)
-    engine = _load_engine(args)
+    cfg = _engine_config(args)
+    if getattr(args, "config", None):
+        _warn_if_tuned_elsewhere(args.config, args.model)
+    backend = make_backend(args.model, cfg, kind=args.backend)
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        result = run_workload(engine, workload, mode=args.mode, rate_scale=args.rate_scale,
-                              max_requests=args.max_requests, on_step=on_step)
+        result = run_workload(backend, workload, mode=args.mode, rate_scale=args.rate_scale,
+                              max_requests=args.max_requests, on_step=on_step, decisions=bool(args.decisions))
     s = result.summary()
-    print(f"model {engine.model_path} ({engine.spec.arch}, {result.meta['compute_dtype']} on {engine.device}); "
-          f"workload {workload.name} ({args.mode}); {s['requests_done']}/{s['requests']} requests in "
-          f"{s['duration_s']:.1f}s")
+    meta = result.meta
+    ran = f"{meta['compute_dtype']} on {meta['device']}" if meta["backend"] == "live" else \
+        f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
+    print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
+          f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
     rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
             for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
@@ -148,6 +155,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.popularity:
         print(_table(pop, ["layer", "tokens", "top10pct_share", "entropy_norm", "hottest"],
                      {"top10pct_share": ".2f", "entropy_norm": ".3f"}))
+    if args.decisions:
+        with open(args.decisions, "w") as fh:
+            for entry in result.decisions or []:
+                fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        print(f"wrote {len(result.decisions or [])} decisions to {args.decisions}")
     full = result.to_dict()
     full["popularity"] = pop
     if args.out:
@@ -337,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-requests", type=int, default=None)
     r.add_argument("--popularity", action="store_true", help="print the expert popularity seen per layer")
     r.add_argument("--out", help="write the full result JSON here")
+    r.add_argument("--decisions", metavar="OUT.jsonl",
+                   help="write the expert plan of every step and MoE layer here, one JSON object a line "
+                        "(also the result's 'decisions' field)")
+    r.add_argument("--backend", choices=BACKENDS, default="live",
+                   help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
+                        "router trace, with no tensors (prices nothing: steps take 0 s)")
     r.add_argument("--quiet", action="store_true")
     model_args(r)
     r.set_defaults(fn=cmd_run)

@@ -282,8 +282,13 @@ def _cmd_list_builtin(args: argparse.Namespace, command: str) -> None:
 def _cmd_record(args: argparse.Namespace, command: str) -> None:
     from workloads.record import record_workload
 
+    try:  # the command wires the engine in; the workloads library never imports it
+        from engine.runner import record_router_trace
+    except ImportError as e:
+        raise WorkloadError(f"recording needs the engine (engine.runner.record_router_trace): {e}") from None
     workload = load_workload(args.workload)
-    recorded = record_workload(args.model, workload, max_requests=args.max_requests)
+    recorded = record_workload(args.model, workload, lambda w: record_router_trace(args.model, w),
+                               max_requests=args.max_requests)
     recorded = recorded.with_router_trace(recorded.router_trace, metadata=_with_command(recorded.metadata, command))
     _write(recorded, args.out)
 

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from engine.env import cache_dir
 from engine.model.arch import ARCHS, CheckpointError, expected_tensors, router_name, spec_from_config
+from engine.precision import FLOAT_PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +110,9 @@ def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 
                router_skew: float = DEFAULT_ROUTER_SKEW, config_overrides: dict[str, Any] | None = None,
                shard_bytes: int = SHARD_BYTES) -> MadeModel:
     """Write a random-weight checkpoint (config.json + safetensors, sharded with an index when large)."""
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise CheckpointError(f"make-model: dtype={dtype!r}: expected bfloat16, float16 or float32")
+    if dtype not in FLOAT_PRECISIONS.values():
+        raise CheckpointError(f"make-model: dtype={dtype!r}: expected one of {', '.join(FLOAT_PRECISIONS.values())}")
+    torch_dtype = getattr(torch, dtype)
     if router_skew < 0:
         raise CheckpointError(f"make-model: router_skew={router_skew}: must be >= 0")
     cfg = make_config(arch, preset, **(config_overrides or {}))
