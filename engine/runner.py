@@ -34,7 +34,9 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
                  on_step: Callable[[int, int], Any] | None = None) -> RunResult:
     """Replay ``workload`` on ``engine``; returns per-request, per-step, per-expert results and telemetry.
 
-    ``on_step(done, total)`` is called after every step (progress bars, pruning callbacks).
+    ``on_step(done, total)`` is called after every step (progress bars, pruning callbacks); when it
+    returns True the run stops there and returns what it measured so far (the engine keeps the
+    unfinished sequences: reconfigure it before the next run).
     With ``record_routes`` the result's ``meta["routes"]`` holds, per request key, the expert ids and gate
     weights of every token the model processed for it: arrays [tokens, moe layers, k].
     """
@@ -100,8 +102,8 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
                 results[seq.key].finish_s = end_s
                 results[seq.key].finish_reason = seq.finish_reason or "length"
                 n_done += 1
-            if on_step is not None:
-                on_step(n_done, len(requests))
+            if on_step is not None and on_step(n_done, len(requests)) is True:
+                break  # the caller has its verdict; unfinished requests stay unfinished (finish_reason "")
     finally:
         engine.model.record_routes = False
         telemetry = sampler.stop()

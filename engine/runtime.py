@@ -225,6 +225,11 @@ class Engine:
         self.last_token_owners: list[tuple[str, int, int]] = []
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.runtime.seed)
 
+    def drop_requests(self) -> None:
+        """Forget every running and waiting request (after a run stopped early); weights, expert placement
+        and hotness stay as they are."""
+        self._reset_runtime()
+
     def reconfigure(self, config: EngineConfig) -> float:
         """Apply a new config without reloading weights when only runtime knobs change; returns seconds."""
         t = time.perf_counter()

@@ -132,9 +132,11 @@ def baseline_points(space: SearchSpace, ctx: BaselineContext,
     """The baselines that are points of ``space``, each with its full parameter values.
 
     Parameters a baseline does not set take the base config's values. Baselines setting a knob
-    outside the space, or a value out of range, are left out (logged).
+    outside the space, or a value out of range, are left out (logged), and so is a baseline whose config
+    is the same as an earlier one's on this machine.
     """
     out = []
+    seen: dict[str, str] = {}  # config hash -> the baseline that has it
     for b in BASELINES if baselines is None else baselines:
         try:
             wanted = b.values(ctx)
@@ -151,13 +153,20 @@ def baseline_points(space: SearchSpace, ctx: BaselineContext,
                 area, name = k.split(".", 1)
                 values[k] = getattr(getattr(ctx.base, area), name)
         problems = space.problems(values)
+        config_hash = None
         if not problems:
             try:
-                space.to_config(values, ctx.base, source=f"baseline {b.name}")
+                config_hash = space.to_config(values, ctx.base, source=f"baseline {b.name}").config_hash()
             except ValueError as e:  # ConfigError: a combination the engine rejects
                 problems = [str(e)]
         if problems:
             log.info("baseline %s skipped: %s", b.name, "; ".join(problems))
             continue
+        if config_hash in seen:
+            # Knobs that tell two peers apart may be inert here (fiddler's host/fetch choice without an
+            # accelerator): measuring the same config twice would only add noise.
+            log.info("baseline %s skipped: the same config as %s on this machine", b.name, seen[config_hash])
+            continue
+        seen[config_hash] = b.name
         out.append((b, values))
     return out

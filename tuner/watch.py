@@ -1,10 +1,15 @@
-"""Watching a run as it goes, to stop a trial that can no longer meet its SLO.
+"""Watching a run as it goes, to stop it once its verdict against the SLO is certain.
 
 ``run_workload``'s ``on_step(done, total)`` says how many requests finished, not when each got its
 tokens. :class:`WatchedEngine` stands in for the engine during a run: it forwards everything and
 notes, per request, when it was added, got its first token and finished. Its clock starts no
 earlier than the runner's, so every time it reports is a lower bound of the runner's own figure
 and a miss it counts is a miss in the final result.
+
+:class:`SloWatch` is the ``on_step`` callback: it returns True (stop the run) once so many requests
+certainly missed that the attainment target is out of reach, or, with ``stop_when_met``, once so many
+certainly met it that the target is reached whatever the rest do. A capacity probe needs only that
+verdict, so a replay rarely runs to its last request.
 """
 
 from __future__ import annotations
@@ -14,11 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from tuner.slo import Progress, SloSpec, certain_misses, target_unreachable
-
-
-class CutShort(Exception):  # noqa: N818 - reads as what happened to the trial
-    """Raised from a run's step callback: the trial cannot meet the SLO any more."""
+from tuner.slo import Progress, SloSpec, certain_meets, certain_misses, target_certain, target_unreachable
 
 
 class WatchedEngine:
@@ -44,8 +45,9 @@ class WatchedEngine:
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Any:
         self._origin = min(self._origin, time.perf_counter() - self._arrivals_s.get(key, 0.0))
         seq = self._engine.add(key, prompt, max_new_tokens)
-        if seq.finish_reason == "rejected" and key in self.progress:
-            self.progress[key].rejected = True
+        if key in self.progress:
+            self.progress[key].max_new_tokens = max_new_tokens
+            self.progress[key].rejected = seq.finish_reason == "rejected"
         return seq
 
     def step(self) -> Any:
@@ -69,32 +71,47 @@ class WatchedEngine:
 
 
 class SloWatch:
-    """The ``on_step`` callback that raises :class:`CutShort` once attainment cannot reach the target.
+    """The ``on_step`` callback that stops a run once attainment against the target is decided.
 
-    Checks at most every ``every_s`` seconds (the check walks every request).
+    ``decision`` becomes ``"missed"`` or ``"met"`` (with ``reason``) when it stops the run. Checks at
+    most every ``every_s`` seconds (the check walks every request).
     """
 
-    def __init__(self, watched: WatchedEngine, slo: SloSpec, every_s: float = 0.2) -> None:
+    def __init__(self, watched: WatchedEngine, slo: SloSpec, every_s: float = 0.1, *,
+                 stop_when_met: bool = False) -> None:
         self.watched = watched
         self.limits_ms = slo.request_limits_ms()
         self.target = slo.attainment_target
         self.every_s = every_s
+        self.stop_when_met = stop_when_met
+        self.decision: str | None = None
+        self.reason = ""
         self._last_check_s = -math.inf
 
     @property
     def enabled(self) -> bool:
         return bool(self.limits_ms) and self.target is not None
 
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
+    def __call__(self, done: int, total: int) -> bool:
+        if not self.enabled or self.decision is not None:
+            return self.decision is not None
         now_s = self.watched.elapsed_s()
-        if now_s - self._last_check_s < self.every_s:
-            return
+        if now_s - self._last_check_s < self.every_s and done < total:
+            return False
         self._last_check_s = now_s
+        progress = self.watched.progress.values()
         n = len(self.watched.progress)
-        misses = certain_misses(self.watched.progress.values(), now_s, self.limits_ms)
+        misses = certain_misses(progress, now_s, self.limits_ms)
         if target_unreachable(n, misses, self.target):
-            raise CutShort(
-                f"cut short after {done}/{total} requests: {misses} of {n} already missed the SLO, "
-                f"so attainment stays below {self.target:.0%}")
+            self.decision = "missed"
+            self.reason = (f"stopped after {done}/{total} requests: {misses} of {n} already missed the SLO, "
+                           f"so attainment stays below {self.target:.0%}")
+            return True
+        if self.stop_when_met:
+            meets = certain_meets(progress, self.limits_ms)
+            if target_certain(n, meets, self.target):
+                self.decision = "met"
+                self.reason = (f"stopped after {done}/{total} requests: {meets} of {n} already met the SLO, "
+                               f"so attainment reaches {self.target:.0%}")
+                return True
+        return False

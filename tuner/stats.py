@@ -1,0 +1,168 @@
+"""Repeated measurements: medians, intervals, gains and noise (pure; no torch, no database).
+
+A figure measured once on a shared machine is one draw of a noisy process. The tuner therefore
+measures the default config several times per study (the *noise*), re-runs its top configs and every
+baseline interleaved (A B C A B C ..., so drift hits them alike) and reports each gain as a median with
+an interval:
+
+- fewer than :data:`BOOTSTRAP_MIN` repeats: the interval is the range (min–max) of the per-round
+  ratios; with so few repeats a bootstrap would claim more than the data hold;
+- otherwise: a percentile bootstrap of the median over rounds (resampling whole rounds, so the
+  pairing that cancels drift is kept), seeded, so the same data give the same interval.
+
+A gain whose interval holds 1 is reported as *no gain beyond noise*.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BOOTSTRAP_MIN = 5
+BOOTSTRAP_SAMPLES = 2000
+CONFIDENCE = 0.95
+NO_GAIN = "no gain beyond noise"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A median with an interval around it, and how it was made."""
+
+    median: float
+    lo: float
+    hi: float
+    n: int
+    method: str  # "min-max" | "bootstrap 95%" | "single"
+
+    def contains(self, x: float) -> bool:
+        return self.lo <= x <= self.hi
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def interval(values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE,
+             samples: int = BOOTSTRAP_SAMPLES) -> Interval:
+    """The median of ``values`` and an interval around it (see the module docstring).
+
+    The interval always contains the median. Raises ``ValueError`` for no values.
+    """
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if not xs:
+        raise ValueError("no values to summarise")
+    med = statistics.median(xs)
+    if len(xs) == 1:
+        return Interval(med, med, med, 1, "single")
+    if len(xs) < BOOTSTRAP_MIN:
+        return Interval(med, min(xs), max(xs), len(xs), "min-max")
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(samples))
+    tail = (1.0 - confidence) / 2
+    lo = meds[int(math.floor(tail * (samples - 1)))]
+    hi = meds[int(math.ceil((1.0 - tail) * (samples - 1)))]
+    return Interval(med, min(lo, med), max(hi, med), len(xs), f"bootstrap {confidence:.0%}")
+
+
+def paired_ratios(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
+    """Per-round ratios ``a[i] / b[i]`` where both were measured and ``b[i] > 0``."""
+    return [float(x) / float(y) for x, y in zip(a, b, strict=False)
+            if x is not None and y is not None and float(y) > 0]
+
+
+def gain_interval(best: Sequence[float | None], baseline: Sequence[float | None], *, seed: int = 0,
+                  direction: str = "maximize") -> Interval | None:
+    """How many times better ``best`` is than ``baseline``, paired by round (index), with an interval;
+    None when no round has both. For a figure to minimise the ratio is inverted (>1 is better)."""
+    ratios = paired_ratios(best, baseline) if direction == "maximize" else paired_ratios(baseline, best)
+    return interval(ratios, seed=seed) if ratios else None
+
+
+def verdict(g: Interval | None) -> str:
+    """``"gain"``, ``"loss"`` or :data:`NO_GAIN` for a gain interval (None: not measured)."""
+    if g is None:
+        return "not measured"
+    if g.lo > 1.0:
+        return "gain"
+    if g.hi < 1.0:
+        return "loss"
+    return NO_GAIN
+
+
+def describe_gain(g: Interval | None, name: str) -> str:
+    """``x1.42 over defaults (1.31-1.55, 5 runs each)``, with the verdict when it is not a gain."""
+    if g is None:
+        return f"over {name}: not measured"
+    text = f"x{g.median:.2f} over {name} ({g.lo:.2f}-{g.hi:.2f}, {g.n} runs each)"
+    v = verdict(g)
+    if v == NO_GAIN:
+        return f"{text}: {NO_GAIN}"
+    if v == "loss":
+        return f"{text}: worse beyond noise"
+    return text
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Run-to-run spread of the objective for one config measured ``n`` times on this machine now."""
+
+    values: tuple[float, ...]
+    median: float
+    lo: float
+    hi: float
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def rel_spread(self) -> float:
+        """(max - min) / median: the relative width of the band the repeats fell in."""
+        return (self.hi - self.lo) / self.median if self.median > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values), "median": self.median, "lo": self.lo, "hi": self.hi, "n": self.n,
+                "rel_spread": self.rel_spread}
+
+
+def noise_of(values: Sequence[float | None]) -> Noise | None:
+    """The noise of repeated measurements of one config; None with fewer than two values."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if len(xs) < 2:
+        return None
+    return Noise(tuple(xs), statistics.median(xs), min(xs), max(xs))
+
+
+def relative_spread(values: Sequence[float | None]) -> float | None:
+    """(max - min) / median of ``values`` (None with fewer than two, or a median of 0)."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    if len(xs) < 2:
+        return None
+    med = statistics.median(xs)
+    return (max(xs) - min(xs)) / med if med > 0 else None
+
+
+def expected_range(n: int) -> float:
+    """Expected range of ``n`` draws of a standard normal (``d2`` of control charts; Blom's
+    approximation, within 5 % of the tabulated values for n >= 2)."""
+    if n < 2:
+        return 0.0
+    return 2.0 * statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def within_noise(values: Sequence[float | None], noise: Noise | None) -> bool | None:
+    """Whether ``values`` (one per trial) spread no wider than noise alone would spread them.
+
+    The noise's relative standard deviation is estimated from the range of its ``R`` repeats
+    (range / median / d2(R)); ``n`` values of pure noise would span about d2(n) of those. Within that span, no ranking of knobs by
+    these values means anything. None when either is unknown.
+    """
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    spread = relative_spread(xs)
+    if spread is None or noise is None or noise.n < 2 or noise.median <= 0:
+        return None
+    rel_sigma = noise.rel_spread / expected_range(noise.n)  # relative: slower configs are noisier in req/s
+    return spread <= expected_range(len(xs)) * rel_sigma
