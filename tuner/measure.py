@@ -39,6 +39,9 @@ CAPACITY = "capacity_rps"
 MIN_REQUESTS = 8
 #: Requests replayed (offline, unrecorded) after a change of weights or expert path, before measuring.
 WARM_UP_REQUESTS = 1
+#: The shortest arrival span a capacity probe replays: faster than this the prefix is one burst, and a
+#: config that absorbs it has a capacity beyond what the workload can show.
+MIN_SPAN_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -243,12 +246,17 @@ class Measurer:
             return cap.Probe(scale, replay.slo.attainment, replay.met, replay.stopped is not None)
 
         s = self.settings
+        span_s = (m.n_requests - 1) / base
+        top = max(1.0, span_s / MIN_SPAN_S)
         found = cap.find_capacity(
             probe, target, (start_rps / base) if start_rps else (start_scale or s.rate_scale),
             incumbent=(incumbent_rps / base) if incumbent_rps else None, margin=margin, rel_tol=s.rel_tol,
-            max_probes=s.max_probes, first_step=first_step, min_rate_scale=s.min_rate_scale)
+            max_probes=s.max_probes, first_step=first_step, min_rate_scale=s.min_rate_scale, max_rate_scale=top)
         m.capacity = found
         m.stopped_early, m.reason = found.stopped_early, found.reason
+        if not found.bounded and found.lo is not None and found.lo >= top:
+            m.reason = (f"met the target even with its {m.n_requests} requests arriving within {MIN_SPAN_S:g} s: the "
+                        "capacity is beyond what this workload can show (a longer workload or a tighter SLO would)")
         met = [r for r in m.replays if r.met]
         m.best = max(met, key=lambda r: r.rate_scale) if met else min(m.replays, key=lambda r: r.rate_scale)
 

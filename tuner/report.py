@@ -79,9 +79,10 @@ def print_report(report: Mapping[str, Any], say: Say = print) -> None:
             "the median)")
     f = report.get("fidelity") or {}
     if f.get("searched"):
-        saved = f" ; about {f['time_saved_s']:.0f} s of replays saved" if f.get("time_saved_s") else ""
-        say(f"multi-fidelity: {f['promoted']} of {f['searched']} searched trials measured on the whole workload "
-            f"({f['fraction_promoted']:.0%}), {f['stopped']} stopped early or pruned{saved}")
+        saved = f"; about {f['time_saved_s']:.0f} s of replays saved" if f.get("time_saved_s") is not None else ""
+        say(f"multi-fidelity: of {f['searched']} searched trials, {f['promoted']} reached the whole workload "
+            f"({f['fraction_promoted']:.0%}) and {f['stopped']} stopped early (could not beat the best so far, or "
+            f"cut by the pruner on a prefix){saved}")
     tm = report.get("time") or {}
     if tm.get("measured_s"):
         say(f"time: {tm['measured_s']:.0f} s of replays in trials, quality checks {tm['quality_s']:.0f} s, overhead "

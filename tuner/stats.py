@@ -5,10 +5,13 @@ measures the default config several times per study (the *noise*), re-runs its t
 baseline interleaved (A B C A B C ..., so drift hits them alike) and reports each gain as a median with
 an interval:
 
-- fewer than :data:`BOOTSTRAP_MIN` repeats: the interval is the range (min–max) of the per-round
-  ratios; with so few repeats a bootstrap would claim more than the data hold;
-- otherwise: a percentile bootstrap of the median over rounds (resampling whole rounds, so the
-  pairing that cancels drift is kept), seeded, so the same data give the same interval.
+- the gain's median is the ratio of the two configs' medians;
+- fewer than :data:`BOOTSTRAP_MIN` rounds: the interval is the range of every ratio of one config's
+  runs to the other's, ``[min(A) / max(B), max(A) / min(B)]``. With three runs each, two configs that
+  are the same give an interval without 1 about one time in twenty; the range of the per-round
+  ratios would do so one time in four;
+- otherwise: a percentile bootstrap of that ratio over rounds (resampling whole rounds, so the pairing
+  that cancels drift is kept), seeded, so the same data give the same interval.
 
 A gain whose interval holds 1 is reported as *no gain beyond noise*.
 """
@@ -67,18 +70,39 @@ def interval(values: Sequence[float], *, seed: int = 0, confidence: float = CONF
     return Interval(med, min(lo, med), max(hi, med), len(xs), f"bootstrap {confidence:.0%}")
 
 
-def paired_ratios(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
-    """Per-round ratios ``a[i] / b[i]`` where both were measured and ``b[i] > 0``."""
-    return [float(x) / float(y) for x, y in zip(a, b, strict=False)
-            if x is not None and y is not None and float(y) > 0]
-
-
 def gain_interval(best: Sequence[float | None], baseline: Sequence[float | None], *, seed: int = 0,
-                  direction: str = "maximize") -> Interval | None:
-    """How many times better ``best`` is than ``baseline``, paired by round (index), with an interval;
-    None when no round has both. For a figure to minimise the ratio is inverted (>1 is better)."""
-    ratios = paired_ratios(best, baseline) if direction == "maximize" else paired_ratios(baseline, best)
-    return interval(ratios, seed=seed) if ratios else None
+                  direction: str = "maximize", samples: int = BOOTSTRAP_SAMPLES,
+                  confidence: float = CONFIDENCE) -> Interval | None:
+    """How many times better ``best`` is than ``baseline`` (runs paired by round, i.e. by index), with an
+    interval (see the module docstring); None unless both have a positive run. For a figure to
+    minimise the ratio is inverted (>1 is better)."""
+    a_all = [None if v is None else float(v) for v in best]
+    b_all = [None if v is None else float(v) for v in baseline]
+    if direction != "maximize":
+        a_all, b_all = b_all, a_all
+    a = [v for v in a_all if v is not None]
+    b = [v for v in b_all if v is not None]
+    if not a or not b or min(b) <= 0:
+        return None
+    med = statistics.median(a) / statistics.median(b)
+    pairs = [(x, y) for x, y in zip(a_all, b_all, strict=False) if x is not None and y is not None]
+    if len(pairs) < BOOTSTRAP_MIN:
+        n = min(len(a), len(b))
+        if n == 1 and len(a) == len(b) == 1:
+            return Interval(med, med, med, 1, "single")
+        lo, hi = min(a) / max(b), max(a) / min(b)
+        return Interval(med, min(lo, med), max(hi, med), n, "min-max")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(samples):
+        pick = rng.choices(pairs, k=len(pairs))
+        mb = statistics.median(y for _, y in pick)
+        ratios.append(statistics.median(x for x, _ in pick) / mb if mb > 0 else math.inf)
+    ratios.sort()
+    tail = (1.0 - confidence) / 2
+    lo = ratios[int(math.floor(tail * (samples - 1)))]
+    hi = ratios[int(math.ceil((1.0 - tail) * (samples - 1)))]
+    return Interval(med, min(lo, med), max(hi, med), len(pairs), f"bootstrap {confidence:.0%}")
 
 
 def verdict(g: Interval | None) -> str:

@@ -96,16 +96,20 @@ def test_intervals_gains_and_verdicts():
     assert many.method.startswith("bootstrap") and many.lo <= many.median <= many.hi
     assert many.lo >= 0.9 and many.hi <= 1.1
     assert interval([1.0, 1.1, 0.9, 1.05, 0.95]) == interval([1.0, 1.1, 0.9, 1.05, 0.95])  # seeded
-    # Paired by round: drift that hits both configs alike cancels out.
-    best, base = [4.0, 2.0, 6.0], [2.0, 1.0, 3.0]
-    g = gain_interval(best, base)
-    assert (g.median, g.lo, g.hi) == (2.0, 2.0, 2.0) and verdict(g) == "gain"
-    assert describe_gain(g, "defaults") == "x2.00 over defaults (2.00-2.00, 3 runs each)"
+    # Fewer than five runs: the range of every ratio of one config's runs to the other's.
+    g = gain_interval([4.0, 4.4, 4.2], [2.0, 2.1, 2.05])
+    assert g.median == pytest.approx(4.2 / 2.05) and g.method == "min-max"
+    assert (g.lo, g.hi) == (pytest.approx(4.0 / 2.1), pytest.approx(4.4 / 2.0)) and verdict(g) == "gain"
+    assert describe_gain(g, "defaults") == "x2.05 over defaults (1.90-2.20, 3 runs each)"
     tie = gain_interval([1.0, 1.1, 0.95], [1.02, 1.0, 1.0])
     assert verdict(tie) == NO_GAIN and describe_gain(tie, "defaults").endswith(NO_GAIN)
     assert verdict(gain_interval([1.0], [2.0])) == "loss"
-    assert gain_interval([1.0, None], [None, 1.0]) is None and verdict(None) == "not measured"
+    assert gain_interval([None], [1.0]) is None and verdict(None) == "not measured"
     assert gain_interval([10.0, 10.0], [20.0, 20.0], direction="minimize").median == 2.0
+    # Five or more rounds: a bootstrap over rounds, which keeps the pairing, so common drift cancels.
+    drift = [1.0, 0.6, 1.4, 0.8, 1.2, 1.0]
+    boot = gain_interval([2 * d for d in drift], drift)
+    assert boot.method.startswith("bootstrap") and boot.lo == boot.median == boot.hi == 2.0
 
 
 def test_noise_and_whether_trials_differ_beyond_it():

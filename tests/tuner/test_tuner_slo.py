@@ -21,13 +21,13 @@ from tuner.slo import (
     SLO_METRICS,
     Progress,
     SloError,
-    certain_misses,
     certain_meets,
+    certain_misses,
     evaluate,
     parse_slo,
+    request_meets,
     study_constraints,
     target_certain,
-    request_meets,
     target_unreachable,
 )
 from tuner.study import parse_duration
