@@ -173,7 +173,7 @@ class Objective:
         if low:
             self._stop(trial, trial_id, "infeasible", f"trial {trial.number}: {low}; not measured further",
                        summary=self._timing(timing, [], t_trial, quality))
-        rungs = self.rungs if self.single else (1.0,)
+        rungs = self.effective_rungs() if self.single else (1.0,)
         done: list[Measurement] = []
         rung_values: dict[str, float] = {}
         margin = self.margin()
@@ -205,6 +205,14 @@ class Objective:
                                "at this fidelity (successive halving); not measured on the whole workload",
                                summary=summary)
         return self._finish(trial, trial_id, baseline, done, timing, t_trial, quality)
+
+    def effective_rungs(self) -> tuple[float, ...]:
+        """The fidelity rungs that replay different numbers of requests (a prefix as long as the whole
+        workload is the whole workload)."""
+        by_n: dict[int, float] = {}
+        for f in self.rungs:
+            by_n[self.measurer.n_requests(f)] = f  # the last fidelity with that many requests
+        return tuple(sorted(by_n.values()))
 
     def _finish(self, trial: optuna.Trial, trial_id: int, baseline: str | None, done: list[Measurement],
                 timing: dict[str, Any], t_trial: float, quality: Mapping[str, float] | None

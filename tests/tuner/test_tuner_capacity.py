@@ -106,10 +106,11 @@ def test_intervals_gains_and_verdicts():
     assert verdict(gain_interval([1.0], [2.0])) == "loss"
     assert gain_interval([None], [1.0]) is None and verdict(None) == "not measured"
     assert gain_interval([10.0, 10.0], [20.0, 20.0], direction="minimize").median == 2.0
-    # Five or more rounds: a bootstrap over rounds, which keeps the pairing, so common drift cancels.
-    drift = [1.0, 0.6, 1.4, 0.8, 1.2, 1.0]
-    boot = gain_interval([2 * d for d in drift], drift)
-    assert boot.method.startswith("bootstrap") and boot.lo == boot.median == boot.hi == 2.0
+    # Five or more runs: a bootstrap of the ratio of medians, seeded.
+    a, b = [2.0, 2.2, 1.9, 2.1, 2.05], [1.0, 1.05, 0.95, 1.1, 1.0]
+    boot = gain_interval(a, b)
+    assert boot.method.startswith("bootstrap") and boot == gain_interval(a, b)
+    assert 1.7 < boot.lo <= boot.median == pytest.approx(2.05) <= boot.hi < 2.4 and verdict(boot) == "gain"
 
 
 def test_noise_and_whether_trials_differ_beyond_it():
