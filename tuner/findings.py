@@ -146,19 +146,21 @@ def confirmed_interval(conf: dict[str, Any] | None, number: int | None) -> Inter
 
 def fidelity_stats(session: Session, study: Study) -> dict[str, Any]:
     """Searched trials (not baselines) that were measured: how many reached the whole workload, how
-    many stopped early (cannot beat the best so far) or were cut by the pruner, and the replay time
-    saved against the median replay time of a searched trial measured in full."""
-    trials = [t for t in session.scalars(select(Trial).where(Trial.study_id == study.id)) if not t.is_baseline]
-    measured = [t for t in trials if t.measured_s is not None and t.state in ("complete", "pruned")]
+    many stopped early on a prefix or on the whole workload (cannot beat the best so far, or cut by the
+    pruner), and the replay time saved against the median replay time of a trial measured in full."""
+    trials = list(session.scalars(select(Trial).where(Trial.study_id == study.id)))
+    measured = [t for t in trials if not t.is_baseline and t.measured_s is not None
+                and t.state in ("complete", "pruned")]
     promoted = [t for t in measured if (t.fidelity or 0) >= 1.0]
-    full = [t.measured_s for t in measured if t.state == "complete" and t.measured_s is not None]
     stopped = [t for t in measured if t.state == "pruned"]
+    full = [t.measured_s for t in trials if t.state == "complete" and t.measured_s is not None]
     typical = statistics.median(full) if full else None
     saved = sum(max(0.0, typical - (t.measured_s or 0.0)) for t in stopped) if typical is not None else None
-    spent = sum(t.measured_s or 0.0 for t in measured)
     return {"searched": len(measured), "promoted": len(promoted), "stopped": len(stopped),
+            "stopped_on_prefix": sum((t.fidelity or 0) < 1.0 for t in stopped),
+            "completed": sum(t.state == "complete" for t in measured),
             "fraction_promoted": len(promoted) / len(measured) if measured else None,
-            "typical_full_s": typical, "time_saved_s": saved, "replay_s": spent}
+            "typical_full_s": typical, "time_saved_s": saved, "replay_s": sum(t.measured_s or 0.0 for t in measured)}
 
 
 def time_stats(session: Session, study: Study) -> dict[str, Any]:

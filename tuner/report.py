@@ -80,9 +80,9 @@ def print_report(report: Mapping[str, Any], say: Say = print) -> None:
     f = report.get("fidelity") or {}
     if f.get("searched"):
         saved = f"; about {f['time_saved_s']:.0f} s of replays saved" if f.get("time_saved_s") is not None else ""
-        say(f"multi-fidelity: of {f['searched']} searched trials, {f['promoted']} reached the whole workload "
-            f"({f['fraction_promoted']:.0%}) and {f['stopped']} stopped early (could not beat the best so far, or "
-            f"cut by the pruner on a prefix){saved}")
+        say(f"multi-fidelity: of {f['searched']} searched trials, {f['stopped_on_prefix']} stopped on a prefix and "
+            f"{f['promoted']} reached the whole workload ({f['fraction_promoted']:.0%}), where "
+            f"{f['promoted'] - f['completed']} more could not beat the best so far{saved}")
     tm = report.get("time") or {}
     if tm.get("measured_s"):
         say(f"time: {tm['measured_s']:.0f} s of replays in trials, quality checks {tm['quality_s']:.0f} s, overhead "
