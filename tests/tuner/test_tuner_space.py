@@ -152,7 +152,11 @@ def test_baselines_are_points_of_the_space_or_left_out():
     pinned = build_space(HW, fixed={"scheduler.max_batch_seqs": 8})
     names = [b.name for b, _ in baseline_points(pinned, BaselineContext(hardware=HW))]
     assert "defaults" in names and not {"hf-static-like", "llama.cpp-like"} & set(names)
-    assert "llama.cpp --cpu-moe" in names  # sets only expert knobs, so pinning the batch size keeps it
+    assert "llama.cpp --cpu-moe" not in names  # places experts between tiers: only where an accelerator exists
+    gpu = {**HW, "gpu": {"name": "NVIDIA H200", "count": 1}}
+    with_gpu = [b.name for b, _ in baseline_points(build_space(gpu, fixed={"scheduler.max_batch_seqs": 8}),
+                                                   BaselineContext(hardware=gpu))]
+    assert "llama.cpp --cpu-moe" in with_gpu  # sets only expert knobs, so pinning the batch size keeps it
     # Out of range, or rejected by the engine's cross-field checks: left out.
     odd = [Baseline("huge", "", {"scheduler.max_batch_seqs": 10_000}),
            Baseline("bad-mix", "", {}),
