@@ -291,9 +291,7 @@ def cmd_confirm(args: argparse.Namespace) -> int:
     if engine.fingerprint != fingerprint:
         raise ValueError(f"{model}: its weights differ from those study {name!r} was tuned on "
                          f"(fingerprint {engine.fingerprint}, study {fingerprint})")
-    ms = MeasureSettings(tuple(settings["objectives"]), settings["mode"], float(settings["rate_scale"]),
-                         settings.get("max_requests"), tuple(settings.get("constraints") or ()),
-                         float(settings.get("rel_tol") or 0.1), int(settings.get("max_probes") or 7))
+    ms = MeasureSettings.from_dict(settings)
     measurer = Measurer(engine, workload, slo, ms)
     say(f"tuner: confirming study {name} in {mask_url(url)} on {model} and {workload.name}")
     measurer.warm_up()

@@ -117,9 +117,14 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
             if not c["baseline"] or c["trial_id"] == best["trial_id"]:
                 continue
             g = gain_interval(best["values"], c["values"], direction=direction)
-            gains.append({"baseline": c["baseline"], "number": c["number"],
-                          "gain": g.to_dict() if g else None, "verdict": verdict(g),
-                          "text": describe_gain(g, c["baseline"])})
+            row = {"baseline": c["baseline"], "number": c["number"], "gain": g.to_dict() if g else None,
+                   "verdict": verdict(g), "text": describe_gain(g, c["baseline"])}
+            measured = [v for v in c["values"] if v is not None]
+            if g is None and measured and max(measured) == 0 and best["interval"]["lo"] > 0:
+                # A capacity of 0: the baseline met the target at no rate the search tried.
+                row.update(verdict="gain", text=f"over {c['baseline']}: it met the target at no rate tried in "
+                                                f"{len(measured)} runs, the best config in all of its runs")
+            gains.append(row)
     order = [trials[r.trial_id].number for r in sorted(rows, key=lambda r: r.seq)]
     return {
         "session": session_no, "repeats": repeats, "objective": study.objectives[0] if study.objectives else None,

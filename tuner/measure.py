@@ -16,6 +16,7 @@ are the reconfiguration and warm-up that :meth:`Measurer.apply` reports.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -57,17 +58,26 @@ class MeasureSettings:
     """The SLO bounds a replay is checked against (``tuner.slo.study_constraints``)."""
     rel_tol: float = cap.REL_TOL
     max_probes: int = cap.MAX_PROBES
-    min_rate_scale: float = cap.MIN_RATE_SCALE
-    """The lowest rate scale a capacity search probes (a probe at scale s lasts 1/s of the recorded span)."""
+    floor_ratio: float = cap.MIN_RATE_SCALE
+    """The lowest rate a capacity search probes, as a share of the rate it starts from (the best capacity so
+    far): a config that misses there is reported as 0, "far below the best", rather than searched in probes
+    that last ever longer (a probe at rate scale s lasts 1/s of the recorded span)."""
 
     @property
     def capacity(self) -> bool:
         return self.objectives[0] == CAPACITY
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MeasureSettings:
+        """The settings a study stored (``to_dict``); keys it lacks take today's defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
+        return cls(**values)
+
     def to_dict(self) -> dict[str, Any]:
         return {"objectives": list(self.objectives), "mode": self.mode, "rate_scale": self.rate_scale,
                 "max_requests": self.max_requests, "constraints": list(self.constraints),
-                "rel_tol": self.rel_tol, "max_probes": self.max_probes, "min_rate_scale": self.min_rate_scale}
+                "rel_tol": self.rel_tol, "max_probes": self.max_probes, "floor_ratio": self.floor_ratio}
 
 
 @dataclass
@@ -248,10 +258,11 @@ class Measurer:
         s = self.settings
         span_s = (m.n_requests - 1) / base
         top = max(1.0, span_s / MIN_SPAN_S)
+        start = (start_rps / base) if start_rps else (start_scale or s.rate_scale)
+        incumbent = (incumbent_rps / base) if incumbent_rps else None
         found = cap.find_capacity(
-            probe, target, (start_rps / base) if start_rps else (start_scale or s.rate_scale),
-            incumbent=(incumbent_rps / base) if incumbent_rps else None, margin=margin, rel_tol=s.rel_tol,
-            max_probes=s.max_probes, first_step=first_step, min_rate_scale=s.min_rate_scale, max_rate_scale=top)
+            probe, target, start, incumbent=incumbent, margin=margin, rel_tol=s.rel_tol, max_probes=s.max_probes,
+            first_step=first_step, min_rate_scale=min(start, incumbent or start) * s.floor_ratio, max_rate_scale=top)
         m.capacity = found
         m.stopped_early, m.reason = found.stopped_early, found.reason
         if not found.bounded and found.lo is not None and found.lo >= top:
