@@ -37,7 +37,7 @@ from tuner.stats import (
 DEFAULTS = "defaults"
 
 
-def _direction(study: Study) -> str:
+def direction_of(study: Study) -> str:
     return OBJECTIVES.get(study.objectives[0], "maximize") if study.objectives else "maximize"
 
 
@@ -92,7 +92,7 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
     rows = [r for r in rows if r.session == session_no]
     if not rows:
         return None
-    direction = _direction(study)
+    direction = direction_of(study)
     trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_({r.trial_id for r in rows})))}
     repeats = max(r.repeat for r in rows) + 1
     by_trial: dict[int, list[float | None]] = {}

@@ -25,7 +25,7 @@ from db.session import session_scope
 from db.store import next_session
 from engine.config import EngineConfig
 from tuner import capacity as cap
-from tuner.findings import DEFAULTS, _direction, noise
+from tuner.findings import DEFAULTS, direction_of, noise
 from tuner.measure import Measurer
 from tuner.metrics import OBJECTIVES
 from tuner.objective import ATTR_BASELINE
@@ -141,7 +141,7 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int = DEFAULT
         objective = study.objectives[0]
         picks = pick_confirmed(list(s.scalars(select(Trial).where(Trial.study_id == study_id))), objective, top)
         session_no = max(1, next_session(s, study_id, "confirm"))
-        direction = _direction(study)
+        direction = direction_of(study)
         for t in picks:
             s.expunge(t)
     if not picks:
