@@ -176,7 +176,7 @@ class Measurer:
         t = time.perf_counter()
         if fresh:
             self.engine = Engine(self.engine.model_path, config)
-        else:
+        elif config != self.engine.config:  # the same config again (a repeat) keeps its weights and experts
             self.engine.reconfigure(config)
         reconfigure_s = time.perf_counter() - t
         warm_up_s = 0.0
@@ -297,6 +297,47 @@ class Measurer:
         decision = sw.decision if sw is not None else None
         return Replay(rate_scale, rate_scale * base if base else None, n, result, slo_result, summary, met,
                       decision, sw.reason if sw is not None else "")
+
+
+#: Config areas whose knobs never change a teacher-forced forward pass: configs differing only there
+#: share one quality measurement (and one reference).
+QUALITY_NEUTRAL_AREAS = ("scheduler", "sampling")
+
+
+def quality_key(config: EngineConfig) -> str:
+    """A hash of the knobs that can change a config's logits."""
+    from db.store import stable_hash
+
+    return stable_hash({k: v for k, v in config.to_dict().items() if k not in QUALITY_NEUTRAL_AREAS})
+
+
+class QualityCheck:
+    """Output quality of the engine's current config against its full-precision reference: next-token
+    top-1 agreement and mean KL over ``engine.quality``'s synthetic prompts, teacher-forced.
+
+    The reference's logits depend only on the reference config (``engine.quality.reference_config``:
+    fp32, every expert as loaded, the model's routing), so they are computed once per reference and
+    kept; each trial then costs one pass over the prompts in its own config, with no reconfiguring.
+    """
+
+    def __init__(self) -> None:
+        self._reference: dict[tuple[str, str], list[Any]] = {}
+
+    def __call__(self, engine: Engine) -> dict[str, float]:
+        from engine.quality import compare_logits, prompt_logits, reference_config, synthetic_prompts
+
+        candidate = engine.config
+        prompts = synthetic_prompts(engine.spec.vocab_size, seed=candidate.runtime.seed)
+        reference = reference_config(candidate)
+        key = (quality_key(reference), engine.fingerprint)
+        if key not in self._reference:
+            engine.reconfigure(reference)
+            self._reference[key] = [prompt_logits(engine, p) for p in prompts]
+            engine.reconfigure(candidate)
+        if engine.hotness is None:
+            engine.warm_up_hotness()  # static and dynamic residency plan from a hotness profile
+        got = compare_logits(self._reference[key], [prompt_logits(engine, p) for p in prompts])
+        return {"top1_agreement": float(got["top1_agreement"]), "mean_kl": float(got["mean_kl"])}
 
 
 def describe_replays(replays: Sequence[Replay]) -> str:

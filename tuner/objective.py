@@ -42,7 +42,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.runtime import Engine, pick_dtype, weights_key
 from tuner.capacity import REL_TOL
 from tuner.feasibility import estimate_memory, memory_problem
-from tuner.measure import Measurement, Measurer
+from tuner.measure import Measurement, Measurer, QualityCheck, quality_key
 from tuner.record import Recorder
 from tuner.slo import SLO_METRICS, SloSpec, evaluate
 from tuner.space import SearchSpace
@@ -59,10 +59,6 @@ ATTR_INTERRUPTED = "interrupted"
 ATTR_RETRY_OF = "retry_of"
 ATTR_RUNGS = "rung_values"
 """``{rung index: value}`` of the fidelities a trial was measured at (stopped searches not included)."""
-
-#: Config areas whose knobs never change a teacher-forced forward pass: trials differing only there
-#: share one quality measurement.
-QUALITY_NEUTRAL_AREAS = ("scheduler", "sampling")
 
 
 class TrialFailed(Exception):  # noqa: N818 - Optuna's `catch` names what happened, like TrialPruned
@@ -95,6 +91,7 @@ class Objective:
     reconfigure_s: list[float] = field(default_factory=list)
     _engine_suspect: bool = False
     _quality_cache: dict[str, dict[str, float] | None] = field(default_factory=dict)
+    _check: QualityCheck = field(default_factory=QualityCheck)
 
     @property
     def engine(self) -> Engine:
@@ -273,13 +270,10 @@ class Objective:
         once per setting of the knobs that change the maths; returns (quality, from the cache)."""
         if not self.quality:
             return None, False
-        data = config.to_dict()
-        key = stable_hash({k: v for k, v in data.items() if k not in QUALITY_NEUTRAL_AREAS})
+        key = quality_key(config)
         if key in self._quality_cache:
             return self._quality_cache[key], True
-        measured = measure_quality(self.engine)
-        got = None if measured is None else {k: float(measured[k]) for k in ("top1_agreement", "mean_kl")
-                                             if k in measured}
+        got = self._check(self.engine)
         self._quality_cache[key] = got
         return got, False
 
@@ -381,20 +375,10 @@ def constraints_of(names: Sequence[str]):
 def quality_available() -> bool:
     """Whether this engine can measure output quality (``engine.quality``)."""
     try:
-        from engine.quality import evaluate  # noqa: F401
+        from engine.quality import compare_logits  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def measure_quality(engine: Engine) -> dict[str, Any] | None:
-    """Top-1 agreement and mean KL of the engine's current config against its full-precision
-    reference (``engine.quality.evaluate``), or None when the engine cannot measure it."""
-    try:
-        from engine.quality import evaluate as quality_of
-    except ImportError:
-        return None
-    return dict(quality_of(engine))
 
 
 def _one_line(e: BaseException) -> str:
