@@ -198,7 +198,8 @@ class Measurer:
     # ------------------------------------------------------------------------------ measuring
     def measure(self, fidelity: float = 1.0, *, start_rps: float | None = None, start_scale: float | None = None,
                 incumbent_rps: float | None = None, margin: float = 0.0, quality: Mapping[str, float] | None = None,
-                stop_on_miss: bool = False, first_step: float | None = None) -> Measurement:
+                stop_on_miss: bool = False, first_step: float | None = None,
+                floor_rps: float | None = None) -> Measurement:
         """Measure the engine's current config at ``fidelity``.
 
         Capacity: the search starts at ``start_rps`` (or the rate scale ``start_scale``; else the study's
@@ -206,13 +207,15 @@ class Measurer:
         ``incumbent_rps`` it first probes ``incumbent_rps * (1 - margin)`` and stops early when that misses.
         Other objectives: one replay; ``stop_on_miss`` stops it once the SLO cannot be met (pruning).
         ``quality`` (top-1 agreement, mean KL) joins the figures the objectives are read from.
+        ``floor_rps`` replaces the lowest rate a capacity search probes (a re-run of a config that met the
+        target at no rate starts and ends there).
         """
         t0 = time.perf_counter()
         n = self.n_requests(fidelity)
         s = self.settings
         m = Measurement(s.objectives, None, fidelity, n)
         if s.capacity:
-            self._capacity(m, start_rps, start_scale, incumbent_rps, margin, first_step)
+            self._capacity(m, start_rps, start_scale, incumbent_rps, margin, first_step, floor_rps)
         else:
             replay = self._replay(s.rate_scale, n, stop="missed" if stop_on_miss else None)
             m.replays.append(replay)
@@ -244,7 +247,8 @@ class Measurer:
         return trial_metrics(replay.summary, extra)
 
     def _capacity(self, m: Measurement, start_rps: float | None, start_scale: float | None,
-                  incumbent_rps: float | None, margin: float, first_step: float | None) -> None:
+                  incumbent_rps: float | None, margin: float, first_step: float | None,
+                  floor_rps: float | None = None) -> None:
         target = self.slo.attainment_target
         base = self.base_rate(m.n_requests)
         if target is None or base is None:
@@ -260,9 +264,10 @@ class Measurer:
         top = max(1.0, span_s / MIN_SPAN_S)
         start = (start_rps / base) if start_rps else (start_scale or s.rate_scale)
         incumbent = (incumbent_rps / base) if incumbent_rps else None
+        floor = floor_rps / base if floor_rps else min(start, incumbent or start) * s.floor_ratio
         found = cap.find_capacity(
-            probe, target, start, incumbent=incumbent, margin=margin, rel_tol=s.rel_tol, max_probes=s.max_probes,
-            first_step=first_step, min_rate_scale=min(start, incumbent or start) * s.floor_ratio, max_rate_scale=top)
+            probe, target, max(start, floor), incumbent=incumbent, margin=margin, rel_tol=s.rel_tol,
+            max_probes=s.max_probes, first_step=first_step, min_rate_scale=floor, max_rate_scale=top)
         m.capacity = found
         m.stopped_early, m.reason = found.stopped_early, found.reason
         if not found.bounded and found.lo is not None and found.lo >= top:
@@ -302,6 +307,9 @@ class Measurer:
 #: Config areas whose knobs never change a teacher-forced forward pass: configs differing only there
 #: share one quality measurement (and one reference).
 QUALITY_NEUTRAL_AREAS = ("scheduler", "sampling")
+#: Synthetic prompts of 64 tokens the quality check reads: 256 positions resolve top-1 agreement to
+#: about 0.4 % a position, enough for a floor such as 0.9, at half ``engine.quality``'s default cost.
+QUALITY_PROMPTS = 4
 
 
 def quality_key(config: EngineConfig) -> str:
@@ -327,7 +335,7 @@ class QualityCheck:
         from engine.quality import compare_logits, prompt_logits, reference_config, synthetic_prompts
 
         candidate = engine.config
-        prompts = synthetic_prompts(engine.spec.vocab_size, seed=candidate.runtime.seed)
+        prompts = synthetic_prompts(engine.spec.vocab_size, n=QUALITY_PROMPTS, seed=candidate.runtime.seed)
         reference = reference_config(candidate)
         key = (quality_key(reference), engine.fingerprint)
         if key not in self._reference:

@@ -152,12 +152,15 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int = DEFAULT
         + " ".join(labels) + (" ..." if repeats > 1 else ""))
     seq = 0
     last: dict[int, float | None] = {t.id: _value(t, objective) for t in picks}
+    # A config whose search met the target at no rate is re-run at the lowest rate that search tried.
+    floor = {t.id: (t.summary or {}).get("capacity_hi_rps") for t in picks if _value(t, objective) == 0}
     for r in range(repeats):
         for t in picks:
             config = EngineConfig.from_dict(t.config, source=f"trial {t.number}")
             try:
                 measurer.apply(config)
-                m = measurer.measure(1.0, start_rps=last[t.id], first_step=cap.WARM_STEP)
+                m = measurer.measure(1.0, start_rps=last[t.id] or floor.get(t.id), first_step=cap.WARM_STEP,
+                                     floor_rps=floor.get(t.id))
             except Exception as e:  # noqa: BLE001 - one failed run must not lose the session
                 log.warning("confirm: trial %s run %d failed: %s", t.number, r + 1, e)
                 measurer.apply(config, fresh=True)
