@@ -52,9 +52,6 @@ def progress() -> None:
     st.plotly_chart(charts.history(points, objectives[0], directions[0]), key="history")
 
 
-progress()
-
-
 def finding() -> None:
     """The confirmed figures, the noise and what the multi-fidelity search spent."""
     f = data.findings(url, info["name"])
@@ -96,6 +93,7 @@ def finding() -> None:
 
 
 finding()
+progress()
 
 points = data.objective_points(url, info["id"], objectives)
 complete = points[(points["state"] == "complete") & points["obj_0"].notna()]

@@ -16,8 +16,8 @@ from tuner.baselines import Baseline, BaselineContext, baseline_points
 from tuner.export import find_study, study_report
 from tuner.findings import confirmation
 from tuner.importance import param_importance, verdict
-from tuner.report import print_report
 from tuner.repeats import NoisePhase, confirm
+from tuner.report import print_report
 from tuner.space import build_space
 from tuner.stats import NO_GAIN
 from tuner.study import enqueue_baselines, run_trials
