@@ -14,6 +14,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+DEFAULT_QUANTILE = 0.1  # Optuna's
+TOP_TRIALS = 4
+
 
 def param_importance(study: Any, objective_index: int = 0, direction: str = "maximize") -> dict[str, Any]:
     """PED-ANOVA importances of one objective over the complete trials of an Optuna study.
@@ -31,13 +34,17 @@ def param_importance(study: Any, objective_index: int = 0, direction: str = "max
     def target(t: Any) -> float:
         return sign * t.values[objective_index]
 
+    # PED-ANOVA compares the best ``target_quantile`` of the trials with all of them; Optuna's 10 % is one
+    # trial in a short study, which any knob can "explain". At least TOP_TRIALS form the best group.
+    quantile = min(0.5, max(DEFAULT_QUANTILE, TOP_TRIALS / len(done)))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(), target=target)
+            imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(target_quantile=quantile),
+                                        target=target)
     except (ValueError, RuntimeError, ZeroDivisionError) as e:
         return {"message": f"could not be computed: {' '.join(str(e).split())[:200]}"}
-    return {"importances": {k: float(v) for k, v in imp.items()}, "n_trials": len(done)}
+    return {"importances": {k: float(v) for k, v in imp.items()}, "n_trials": len(done), "top_quantile": quantile}
 
 
 def verdict(imp: Mapping[str, Any], within_noise: bool | None, noise: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -30,14 +30,15 @@ NEUTRAL = "sampling.top_p"
 
 @pytest.fixture(scope="module")
 def decode_heavy():
-    """12 requests of 24 output tokens, all at once: throughput grows with the sequences batched together."""
-    return synth_workload("decode-heavy", 12, arrival="offline", prompt_len="uniform:8:16", output_len="24",
+    """32 requests of 16 output tokens, all at once: throughput grows with the sequences batched together,
+    up to the 32 the search may batch."""
+    return synth_workload("decode-heavy", 32, arrival="offline", prompt_len="uniform:8:16", output_len="16",
                           seed=11)
 
 
 def _space(keys):
-    registry = [dataclasses.replace(k, search=Search(low=0.5, high=1.0)) if k.key == NEUTRAL else k
-                for k in knobs() if k.key in keys]
+    ranges = {NEUTRAL: Search(low=0.5, high=1.0), BATCH: Search(low=1, high=32, log=True)}
+    registry = [dataclasses.replace(k, search=ranges[k.key]) for k in knobs() if k.key in keys]
     return build_space(hardware(), registry=registry)
 
 
