@@ -69,6 +69,7 @@ if summary:
 
 # --- capacity probes and the trial's time
 probes = data.trial_probes(url, t["id"])
+probes = probes[probes["rate_rps"].notna()]  # offline replays have no arrival rate to draw
 if len(probes):
     st.subheader("Probes")
     st.plotly_chart(charts.probes(probes, slo.attainment_target, t.get("capacity_rps")), key="probes")

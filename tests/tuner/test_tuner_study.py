@@ -136,4 +136,13 @@ def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys,
     names = [t.user_attrs[ATTR_BASELINE] for t in study.trials if t.user_attrs.get(ATTR_BASELINE)]
     assert len(names) == len(set(names)) == 3  # each baseline once (the peer hybrid ones need an accelerator)
     assert count(db, Trial) == 5
+    assert count(db, MeasurementRow, purpose="noise") == 2  # the noise is measured once per study
+
+    # On demand: `tuner confirm` runs another session (the resumed run confirmed once more: session 2).
+    assert main(["confirm", "--study", "short", "--db", sqlite_url, "--top", "1", "--repeats", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    conf = last_json(out.out)["confirmation"]
+    assert conf["session"] == 3 and conf["repeats"] == 2 and len(conf["order"]) == 2 * len(conf["configs"])
+    assert [c["baseline"] for c in conf["configs"]][-3:] == ["defaults", "hf-static-like", "llama.cpp-like"]
+    assert "confirm: run 2/2" in out.err and "finding: " in out.err
     db.dispose()
