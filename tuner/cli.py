@@ -30,6 +30,10 @@ DEFAULT_MODEL = "builtin:qwen3_moe-small"
 DEFAULT_WORKLOAD = "builtin:quick"
 DEFAULT_TRIALS = 10
 DEFAULT_FIDELITY = "0.34,1"
+DEFAULT_NOISE_REPEATS = 3
+DEFAULT_CONFIRM_REPEATS = 3
+DEFAULT_RUN_CONFIRM_TOP = 1
+DEFAULT_CONFIRM_TOP = 2
 
 
 # ------------------------------------------------------------------------------------- run
@@ -392,6 +396,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_SLO
+
     p = argparse.ArgumentParser(prog="tuner", description=(__doc__ or "").splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what the tuner and Optuna do")
@@ -405,10 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
     r.add_argument("--slo", action="append", metavar="NAME=VALUE|FILE",
                    help="an SLO bound (repeat), e.g. ttft_p99_ms=2000, tpot_p99_ms=200, quality_min=0.95, "
-                        "attainment_min=0.9; or a JSON file of them (default ttft_p99_ms=1000, tpot_p99_ms=100, "
-                        "quality_min=0.9)")
+                        "attainment_min=0.9; or a JSON file of them (default "
+                        + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_SLO.items()) + ")")
     r.add_argument("--attainment", type=float,
-                   help="share of requests that must meet every latency bound at the capacity (default 0.9)")
+                   help="share of requests that must meet every latency bound at the capacity "
+                        f"(default {DEFAULT_ATTAINMENT:g})")
     r.add_argument("--objective", help="what to maximise or minimise: capacity (default, realtime), "
                                        "output_tokens_per_s (default offline), goodput, ...")
     r.add_argument("--objectives", help="several, comma-separated, for a Pareto search "
@@ -426,13 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fidelity", default=DEFAULT_FIDELITY,
                    help="shares of the workload a searched trial is measured on, in turn; the pruner stops "
                         f"uncompetitive ones early (default {DEFAULT_FIDELITY})")
-    r.add_argument("--noise-repeats", type=int, default=3,
+    r.add_argument("--noise-repeats", type=int, default=DEFAULT_NOISE_REPEATS,
                    help="runs of the default config that measure the noise, interleaved with the first baselines "
-                        "(default 3)")
-    r.add_argument("--confirm-top", type=int, default=2,
-                   help="searched configs re-run with every baseline at the end (default 2)")
-    r.add_argument("--confirm-repeats", type=int, default=3,
-                   help="interleaved runs of each of them (default 3; 0: no confirmation)")
+                        f"(default {DEFAULT_NOISE_REPEATS})")
+    r.add_argument("--confirm-top", type=int, default=DEFAULT_RUN_CONFIRM_TOP,
+                   help=f"searched configs re-run with every baseline at the end (default {DEFAULT_RUN_CONFIRM_TOP}; "
+                        "`tuner confirm` re-runs more on demand)")
+    r.add_argument("--confirm-repeats", type=int, default=DEFAULT_CONFIRM_REPEATS,
+                   help=f"interleaved runs of each of them (default {DEFAULT_CONFIRM_REPEATS}; 0: no confirmation)")
     r.add_argument("--config", help="base engine config (JSON or a `tuner export` file) for the knobs not searched")
     r.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob (repeat); not searched")
     r.add_argument("--seed", type=int, default=0, help="sampler seed")
@@ -449,9 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("confirm", help="re-run the top configs and every baseline, interleaved, with intervals")
     c.add_argument("--study", required=True)
-    c.add_argument("--top", type=int, default=2, help="searched configs to confirm (default 2)")
-    c.add_argument("--repeats", type=int, default=3,
-                   help="interleaved runs of each (default 3; 5 or more: bootstrap intervals)")
+    c.add_argument("--top", type=int, default=DEFAULT_CONFIRM_TOP,
+                   help=f"searched configs to confirm (default {DEFAULT_CONFIRM_TOP})")
+    c.add_argument("--repeats", type=int, default=DEFAULT_CONFIRM_REPEATS,
+                   help=f"interleaved runs of each (default {DEFAULT_CONFIRM_REPEATS}; 5 or more: bootstrap intervals)")
     c.add_argument("--json", action="store_true")
     db_arg(c)
     c.set_defaults(fn=cmd_confirm)

@@ -33,9 +33,6 @@ from tuner.record import Recorder
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NOISE_REPEATS = 3
-DEFAULT_CONFIRM_TOP = 2
-DEFAULT_CONFIRM_REPEATS = 3
 Say = Callable[[str], None]
 
 
@@ -48,8 +45,7 @@ class NoisePhase:
     """Interleaves the default config's repeats with the first baselines (the ``between`` hook of
     ``tuner.study.run_trials``)."""
 
-    def __init__(self, measurer: Measurer, recorder: Recorder, repeats: int = DEFAULT_NOISE_REPEATS,
-                 say: Say = log.info) -> None:
+    def __init__(self, measurer: Measurer, recorder: Recorder, repeats: int, say: Say = log.info) -> None:
         self.measurer = measurer
         self.recorder = recorder
         self.repeats = repeats
@@ -126,8 +122,8 @@ def pick_confirmed(trials: list[Trial], objective: str, top: int) -> list[Trial]
     return out
 
 
-def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int = DEFAULT_CONFIRM_TOP,
-            repeats: int = DEFAULT_CONFIRM_REPEATS, say: Say = log.info) -> int | None:
+def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats: int,
+            say: Say = log.info) -> int | None:
     """Re-measure the top searched configs and every baseline ``repeats`` times, interleaved; returns the
     session number (None when there is nothing to confirm)."""
     if repeats < 1:
