@@ -148,8 +148,10 @@ def probes(df: pd.DataFrame, target: float | None, capacity_rps: float | None) -
     if target is not None:
         fig.add_hline(y=target, line={"dash": "dash", "color": "black"}, annotation_text=f"target {target:.0%}")
     if capacity_rps:
-        fig.add_vline(x=capacity_rps, line={"dash": "dot", "color": MET},
-                      annotation_text=f"knee {capacity_rps:.3g} req/s")
+        # A trace, not a shape: shapes on a log axis take log10 coordinates.
+        fig.add_trace(go.Scatter(x=[capacity_rps, capacity_rps], y=[0, 1], mode="lines",
+                                 name=f"knee {capacity_rps:.3g} req/s", line={"dash": "dot", "color": MET},
+                                 hoverinfo="skip"))
     fig.update_xaxes(title="arrival rate (req/s)", type="log")
     fig.update_yaxes(title="SLO attainment", range=[-0.03, 1.05], tickformat=".0%")
     return _layout(fig, "Capacity probes: attainment against arrival rate", height=400)

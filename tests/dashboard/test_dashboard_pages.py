@@ -231,9 +231,13 @@ def test_trial_page_shows_the_best_trial(seed, page, kit):
     requests = _rows(seed.url, RequestRow, trial.id, [RequestRow.id])
     charts = kit.charts(at)
     probes = charts["Capacity probes: attainment against arrival rate"]
-    drawn = sorted((round(x, 9), round(y, 9)) for tr in probes["data"] for x, y in zip(tr["x"], tr["y"], strict=True))
+    markers = [tr for tr in probes["data"] if tr["mode"] == "markers"]
+    drawn = sorted((round(x, 9), round(y, 9)) for tr in markers for x, y in zip(tr["x"], tr["y"], strict=True))
     assert drawn == sorted((round(x, 9), round(y, 9)) for x, y in _probes(seed.url, trial.id))
-    assert {sh["type"] for sh in probes["layout"]["shapes"]} == {"line"}  # the target and the knee
+    assert [sh["y0"] for sh in probes["layout"]["shapes"]] == [parse_slo(data=_study(seed.url, seed.live)["slo"])
+                                                               .attainment_target]  # the target
+    (knee,) = [tr for tr in probes["data"] if tr["mode"] == "lines"]
+    assert knee["x"] == [trial.capacity_rps] * 2 and knee["name"].startswith("knee")
     ttft = charts["TTFT CDF"]["data"][0]
     assert ttft["x"] == pytest.approx(sorted(r.ttft_ms for r in requests if r.ttft_ms is not None))
     assert ttft["y"][-1] == 1.0
