@@ -164,6 +164,8 @@ def relative_spread(values: Sequence[float | None]) -> float | None:
     xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     if len(xs) < 2:
         return None
+    if max(xs) == min(xs):
+        return 0.0  # every value the same (every config at 0, say): no spread at all
     med = statistics.median(xs)
     return (max(xs) - min(xs)) / med if med > 0 else None
 
@@ -185,6 +187,8 @@ def within_noise(values: Sequence[float | None], noise: Noise | None) -> bool | 
     """
     xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     spread = relative_spread(xs)
+    if spread == 0.0:
+        return True
     if spread is None or noise is None or noise.n < 2 or noise.median <= 0:
         return None
     rel_sigma = noise.rel_spread / expected_range(noise.n)  # relative: slower configs are noisier in req/s

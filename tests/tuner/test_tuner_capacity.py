@@ -121,3 +121,4 @@ def test_noise_and_whether_trials_differ_beyond_it():
     assert within_noise([3.1, 3.2, 3.05, 3.25, 3.0, 3.3], noise)  # six draws of the same noise
     assert not within_noise([1.0, 3.1, 3.2, 6.0], noise)  # a knob that matters
     assert within_noise([1.0, 2.0], None) is None
+    assert within_noise([0.0, 0.0, 0.0], None)  # every config the same: nothing to rank
