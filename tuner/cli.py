@@ -119,11 +119,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import optuna
 
-    from engine.runtime import Engine
+    from engine.backend import make_backend
     from tuner.baselines import BaselineContext, baseline_points
     from tuner.measure import Measurer, MeasureSettings
     from tuner.metrics import latency_constraints
-    from tuner.objective import Objective, quality_available
+    from tuner.objective import Objective
     from tuner.record import Recorder, model_identity, record_study, workload_fingerprint
     from tuner.repeats import NoisePhase, confirm
     from tuner.slo import study_constraints
@@ -156,13 +156,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     say(f"tuner: study {name} in {mask_url(url)}")
     t = time.perf_counter()
-    engine = Engine(args.model, start_config)
+    backend = make_backend(args.model, start_config, kind="live")
+    engine = backend.engine
     load_s = time.perf_counter() - t
     say(f"tuner: loaded {args.model} ({engine.spec.arch}, {engine.spec.total_params() / 1e6:.1f}M params, "
         f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}, {engine.kernels_label} kernels) in "
         f"{load_s:.2f} s (weights {engine.load_s:.2f} s), once for the whole study")
 
-    identity = model_identity(engine, args.model)
+    identity = model_identity(backend, args.model)
     settings = {
         "model_fingerprint": engine.fingerprint,
         "workload_fingerprint": workload_fingerprint(workload),
@@ -187,16 +188,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     enqueued = enqueue_baselines(study, points, args.trials)
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
-    measurer = Measurer(engine, workload, slo, measure_settings)
+    measurer = Measurer(backend, workload, slo, measure_settings)
     noise = NoisePhase(measurer, recorder, args.noise_repeats, say=say if not args.quiet else (lambda _m: None))
     objective = Objective(
         measurer=measurer, model=args.model, space=space, base=base, slo=slo, objectives=objectives,
         recorder=recorder, constraints=constraints, rungs=rungs, load_s=load_s,
         memory_limit_bytes=int(args.memory_gib * 2**30) if args.memory_gib else None, prune=not args.no_prune,
         quality=not args.no_quality, margin=noise.margin)
-    if any(n.startswith("quality") for n in slo.bounds) and not (objective.quality and quality_available()):
-        say("tuner: warning: quality bounds are not checked: "
-            + ("--no-quality" if not objective.quality else "this engine cannot measure quality"))
+    if any(n.startswith("quality") for n in slo.bounds) and not objective.quality:
+        say("tuner: warning: --no-quality: the SLO's quality bounds are not checked (each trial records "
+            "quality_check off and the bound as unmeasured)")
 
     warm_s = objective.warm_up()
     done_before = len(counted_trials(study.get_trials(deepcopy=False)))
@@ -267,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_confirm(args: argparse.Namespace) -> int:
     from db.session import make_engine, mask_url, resolve_url, session_scope, upgrade
-    from engine.runtime import Engine
+    from engine.backend import make_backend
     from tuner.export import find_study
     from tuner.measure import Measurer, MeasureSettings
     from tuner.repeats import confirm, settings_of
@@ -291,12 +292,13 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         fingerprint = study.model.fingerprint
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     workload = load_workload(workload_spec)
-    engine = Engine(model)
+    backend = make_backend(model, kind="live")
+    engine = backend.engine
     if engine.fingerprint != fingerprint:
         raise ValueError(f"{model}: its weights differ from those study {name!r} was tuned on "
                          f"(fingerprint {engine.fingerprint}, study {fingerprint})")
     ms = MeasureSettings.from_dict(settings)
-    measurer = Measurer(engine, workload, slo, ms)
+    measurer = Measurer(backend, workload, slo, ms)
     say(f"tuner: confirming study {name} in {mask_url(url)} on {model} and {workload.name}")
     measurer.warm_up()
     confirm(measurer, db, study_id, top=args.top, repeats=args.repeats, say=say)
@@ -495,12 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        import optuna
+    import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.ERROR)
-    except ImportError:
-        pass
+    optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.ERROR)
     from engine.model.arch import CheckpointError
     from workloads.schema import WorkloadError
 

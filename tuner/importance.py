@@ -75,7 +75,8 @@ def importance_report(url: str, report: Mapping[str, Any]) -> dict[str, Any] | N
         storage = optuna.storages.RDBStorage(url, skip_table_creation=True)
         study = optuna.load_study(study_name=report["study"], storage=storage)
     except Exception as e:  # noqa: BLE001 - Optuna and SQLAlchemy raise many kinds
-        log.info("no importance for %s: %s", report["study"], e)
-        return None
+        # Said where the ranking would be, not only in a log.
+        return {"ranked": False, "message": "not computed: cannot open the Optuna study ("
+                + " ".join(str(e).split())[:160] + ")"}
     imp = param_importance(study, 0, report["directions"][0])
     return verdict(imp, report.get("within_noise"), report.get("noise"))

@@ -10,8 +10,11 @@
 :data:`MIN_REQUESTS`): the multi-fidelity search measures most configs on a short prefix first.
 
 Time is accounted honestly: ``runs_s`` is the replays' own duration; everything else in ``wall_s``
-(preparing and evaluating replays, resetting the engine after a stopped replay) is overhead, and so
-are the reconfiguration and warm-up that :meth:`Measurer.apply` reports.
+(preparing and evaluating replays) is overhead, and so are the reconfiguration and warm-up that
+:meth:`Measurer.apply` reports.
+
+Replays run through the step interface (:mod:`engine.backend`): the measurer holds a backend
+(``engine.backend.make_backend``), and the early stop is the runner's ``on_progress`` callback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.backend import Backend, as_backend, make_backend
 from engine.config import EngineConfig
 from engine.results import RunResult
 from engine.runner import run_workload
@@ -31,7 +35,7 @@ from engine.runtime import Engine, is_plain, weights_key
 from tuner import capacity as cap
 from tuner.metrics import trial_metrics
 from tuner.slo import SloResult, SloSpec, evaluate
-from tuner.watch import SloWatch, WatchedEngine
+from tuner.watch import SloWatch
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +149,26 @@ class Measurement:
 
 
 class Measurer:
-    """Holds the engine of a worker and measures configs on it (one per process)."""
+    """Holds the backend of a worker and measures configs on it (one per process).
 
-    def __init__(self, engine: Engine, workload: Any, slo: SloSpec, settings: MeasureSettings) -> None:
-        self.engine = engine
+    ``backend``: a :class:`~engine.backend.Backend` (an :class:`~engine.runtime.Engine` is taken as
+    the live one)."""
+
+    def __init__(self, backend: Backend | Engine, workload: Any, slo: SloSpec, settings: MeasureSettings) -> None:
+        self.backend: Backend = as_backend(backend)
         self.workload = workload
         self.slo = slo
         self.settings = settings
         self._warm_key: tuple[Any, ...] | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The torch engine behind the live backend (quality checks and memory estimates read it)."""
+        engine = getattr(self.backend, "engine", None)
+        if not isinstance(engine, Engine):
+            raise ValueError(f"the {self.backend.kind} backend has no torch engine: quality checks and memory "
+                             "estimates need the live one")
+        return engine
 
     # ------------------------------------------------------------------------------ the workload
     def n_requests(self, fidelity: float) -> int:
@@ -175,9 +191,9 @@ class Measurer:
         it up when its weights or expert path changed; returns ``reconfigure_s`` and ``warm_up_s``."""
         t = time.perf_counter()
         if fresh:
-            self.engine = Engine(self.engine.model_path, config)
-        elif config != self.engine.config:  # the same config again (a repeat) keeps its weights and experts
-            self.engine.reconfigure(config)
+            self.backend = make_backend(self.engine.model_path, config, kind=self.backend.kind)
+        elif config != self.backend.config:  # the same config again (a repeat) keeps its weights and experts
+            self.backend.reconfigure(config)
         reconfigure_s = time.perf_counter() - t
         warm_up_s = 0.0
         key = (*weights_key(config), is_plain(config), config.experts.hi_precision, config.experts.lo_precision)
@@ -192,7 +208,7 @@ class Measurer:
         """Replay the first requests offline, unrecorded, so first-use costs (allocator, kernel
         selection, a new weight layout) are not measured; returns seconds."""
         t = time.perf_counter()
-        run_workload(self.engine, self.workload, mode="offline", max_requests=n_requests)
+        run_workload(self.backend, self.workload, mode="offline", max_requests=n_requests)
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------------------ measuring
@@ -280,20 +296,17 @@ class Measurer:
         """One replay of the first ``n`` requests at ``rate_scale``; ``stop``: None, ``"missed"`` (stop once
         the target is out of reach) or ``"both"`` (also once it is certainly reached)."""
         s = self.settings
-        engine = self.engine
-        watch: Callable[[int, int], bool] | None = None
-        target: Any = engine
+        watch: Callable[[Any], bool] | None = None
         sw = None
         if stop is not None and s.mode == "realtime":
             requests = list(self.workload.requests)[:n]
-            watched = WatchedEngine(engine, {r.request_id: r.arrival_s / rate_scale for r in requests})
-            sw = SloWatch(watched, self.slo, stop_when_met=stop == "both")
+            sw = SloWatch({r.request_id: r.max_new_tokens for r in requests}, self.slo, stop_when_met=stop == "both")
             if sw.enabled:
-                target, watch = watched, sw
-        result = run_workload(target, self.workload, mode=s.mode, rate_scale=rate_scale, max_requests=n,
-                              on_step=watch)
-        if engine.has_work:
-            engine.drop_requests()  # stopped early: the next replay starts from an idle engine
+                watch = sw
+        # A replay the watch stops returns what it measured; the runner aborts the rest, so the
+        # backend is idle for the next replay.
+        result = run_workload(self.backend, self.workload, mode=s.mode, rate_scale=rate_scale, max_requests=n,
+                              on_progress=watch)
         summary = result.summary()
         slo_result = evaluate(result.requests, summary, result.duration_s, self.slo, s.constraints)
         target_share = self.slo.attainment_target

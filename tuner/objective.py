@@ -38,7 +38,7 @@ import psutil
 import torch
 
 from db.store import stable_hash
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, merge_flat
 from engine.runtime import Engine, pick_dtype, weights_key
 from tuner.capacity import REL_TOL
 from tuner.feasibility import estimate_memory, memory_problem
@@ -85,7 +85,8 @@ class Objective:
     """Memory a config may use beyond what the process holds; None: what the machine has free."""
     prune: bool = True
     quality: bool = True
-    """Measure output quality against the full-precision reference (when the engine can)."""
+    """Measure output quality against the full-precision reference (False: no check runs, and every
+    trial records ``quality_check: "off"``)."""
     margin: Callable[[], float] = lambda: REL_TOL
     """The early-stop margin: the study's measured noise (relative spread of the objective) once known."""
     reconfigure_s: list[float] = field(default_factory=list)
@@ -115,10 +116,7 @@ class Objective:
         try:
             config = self.space.to_config(values, self.base, source=source)
         except ConfigError as e:
-            raw = self.base.to_dict()  # the config as asked for, unvalidated
-            for key, value in {**self.space.fixed, **values}.items():
-                area, name = key.split(".", 1)
-                raw.setdefault(area, {})[name] = value
+            raw = merge_flat(self.base.to_dict(), {**self.space.fixed, **values}, source)  # as asked, unvalidated
             trial_id = self.recorder.start(trial.number, raw, stable_hash(raw), baseline)
             self._stop(trial, trial_id, "infeasible", str(e))
         trial_id = self.recorder.start(trial.number, config.to_dict(), config.config_hash(), baseline)
@@ -263,6 +261,8 @@ class Objective:
         }
         if quality:
             out.update({f"quality_{k}": v for k, v in quality.items()})
+        # Which path produced the quality figures: measured, or no check at all (--no-quality).
+        out["quality_check"] = ("cached" if timing.get("quality_cached") else "measured") if quality else "off"
         return out
 
     def _quality(self, config: EngineConfig) -> tuple[dict[str, float] | None, bool]:
@@ -370,15 +370,6 @@ def constraints_of(names: Sequence[str]):
         return [float(stored.get(n, 1.0)) for n in names]
 
     return constraints
-
-
-def quality_available() -> bool:
-    """Whether this engine can measure output quality (``engine.quality``)."""
-    try:
-        from engine.quality import compare_logits  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _one_line(e: BaseException) -> str:

@@ -27,17 +27,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_identity(engine: Any, model: str) -> dict[str, Any]:
-    """The identity of a loaded ``engine.runtime.Engine``'s model, as ``mt_models`` stores it."""
-    spec = engine.spec
-    identity = spec.identity(engine.fingerprint)
+def model_identity(backend: Any, model: str) -> dict[str, Any]:
+    """The identity of a backend's model (``engine.backend.Backend``), as ``mt_models`` stores it."""
+    identity = backend.model_identity()
+    described = backend.describe()["model"]
     return {
         **identity,
-        "path": str(engine.model_path),
+        "path": str(described["path"]),
         "model": model,
-        "n_params": spec.total_params(),
+        "n_params": backend.spec.total_params(),
         "shapes": {k: v for k, v in identity.items() if k != "fingerprint"},
-        "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),
+        "checkpoint_dtype": described["dtype"],
     }
 
 

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from db.session import make_engine, session_scope, upgrade
+from engine.backend import as_backend
 from engine.config import EngineConfig
 from engine.hwinfo import hardware, software
 from tuner.measure import Measurer, MeasureSettings
@@ -119,7 +120,7 @@ def wire(tiny_engine, tiny_workload) -> Callable[..., Wired]:
         made.append(db)
         full = f"{name}-{space.space_hash()}"
         settings = MeasureSettings(tuple(objectives), mode, 1.0, max_requests, tuple(constraints))
-        study_id = record_study(db, full, identity=model_identity(tiny_engine, MODEL), workload=workload,
+        study_id = record_study(db, full, identity=model_identity(as_backend(tiny_engine), MODEL), workload=workload,
                                 workload_spec=str(getattr(workload, "source", WORKLOAD)), slo=slo_spec.to_dict(),
                                 objectives=objectives, space_hash=space.space_hash(), hardware=hardware(),
                                 software=software(), settings={**settings.to_dict(), "model": MODEL})
