@@ -42,7 +42,9 @@ NAMING_CONVENTION = {
 }
 
 TRIAL_STATES = ("running", "complete", "failed", "infeasible", "pruned")
-BACKENDS = ("live", "sim")
+#: Which path produced a study's results: the torch engine, the stub or the simulator (no tensors),
+#: or a server measured over HTTP (`workloads replay --url`).
+BACKENDS = ("live", "stub", "sim", "http")
 #: Why a config was measured: by its trial's search, for the study's noise, or to confirm a gain.
 PURPOSES = ("search", "noise", "confirm")
 
