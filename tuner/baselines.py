@@ -133,26 +133,32 @@ def register(baseline: Baseline) -> None:
     BASELINES[:] = [b for b in BASELINES if b.name != baseline.name] + [baseline]
 
 
-def baseline_points(space: SearchSpace, ctx: BaselineContext,
-                    baselines: list[Baseline] | None = None) -> list[tuple[Baseline, dict[str, Any]]]:
+def baseline_points(space: SearchSpace, ctx: BaselineContext, baselines: list[Baseline] | None = None,
+                    skipped: list[tuple[str, str]] | None = None) -> list[tuple[Baseline, dict[str, Any]]]:
     """The baselines that are points of ``space``, each with its full parameter values.
 
     Parameters a baseline does not set take the base config's values. Baselines setting a knob
-    outside the space, or a value out of range, are left out (logged), and so are a baseline that
-    ``needs`` an accelerator on a machine without one and a baseline whose config is the same as an
-    earlier one's on this machine.
+    outside the space, or a value out of range, are left out, and so are a baseline that ``needs``
+    an accelerator on a machine without one and a baseline whose config is the same as an earlier
+    one's on this machine: each is appended to ``skipped`` as (name, why), for the caller to say.
     """
     out = []
+
+    def skip(name: str, why: str) -> None:
+        log.info("baseline %s skipped: %s", name, why)
+        if skipped is not None:
+            skipped.append((name, why))
+
     seen: dict[str, str] = {}  # config hash -> the baseline that has it
     for b in BASELINES if baselines is None else baselines:
         if b.needs == "accelerator" and not _has_gpu(ctx):
-            log.info("baseline %s skipped: it places experts between a fast tier and the host, and without an "
-                     "accelerator they are the same memory (it would rerun the defaults)", b.name)
+            skip(b.name, "it places experts between a fast tier and the host, and without an accelerator they "
+                 "are the same memory (it would rerun the defaults)")
             continue
         try:
             wanted = b.values(ctx)
         except (ValueError, KeyError, TypeError) as e:
-            log.info("baseline %s skipped: %s", b.name, e)
+            skip(b.name, str(e))
             continue
         values = {**space.defaults(ctx.base), **wanted}
         # Parameters the baseline turns off (a conditional child of a changed parent) drop out.
@@ -171,12 +177,12 @@ def baseline_points(space: SearchSpace, ctx: BaselineContext,
             except ValueError as e:  # ConfigError: a combination the engine rejects
                 problems = [str(e)]
         if problems:
-            log.info("baseline %s skipped: %s", b.name, "; ".join(problems))
+            skip(b.name, "; ".join(problems))
             continue
         if config_hash in seen:
             # Knobs that tell two peers apart may be inert here (fiddler's host/fetch choice without an
             # accelerator): measuring the same config twice would only add noise.
-            log.info("baseline %s skipped: the same config as %s on this machine", b.name, seen[config_hash])
+            skip(b.name, f"the same config as {seen[config_hash]} on this machine")
             continue
         seen[config_hash] = b.name
         out.append((b, values))

@@ -184,10 +184,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     storage = open_storage(url, args.heartbeat_s, on_lost)
     study = open_study(storage, name, objectives, constraints, settings, seed=args.seed,
                        pruner=make_pruner(len(rungs)))
-    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
+    skipped: list[tuple[str, str]] = []
+    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config), skipped=skipped)
     enqueued = enqueue_baselines(study, points, args.trials)
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
+    if skipped:
+        say(f"tuner: baselines not run here: {'; '.join(f'{n} ({why})' for n, why in skipped)}")
     measurer = Measurer(backend, workload, slo, measure_settings)
     noise = NoisePhase(measurer, recorder, args.noise_repeats, say=say if not args.quiet else (lambda _m: None))
     objective = Objective(

@@ -164,7 +164,11 @@ def test_baselines_are_points_of_the_space_or_left_out():
     wide = build_space(HW, registry=_registry_with("scheduler.max_batch_tokens", low=8))
     odd[1] = Baseline("bad-mix", "", {"scheduler.max_batch_seqs": 32, "scheduler.max_batch_tokens": 16})
     assert wide.problems({**wide.defaults(EngineConfig()), **odd[1].values(BaselineContext())}) == []
-    assert [b.name for b, _ in baseline_points(wide, BaselineContext(hardware=HW), odd)] == ["per-model"]
+    skipped: list[tuple[str, str]] = []
+    assert [b.name for b, _ in baseline_points(wide, BaselineContext(hardware=HW), odd, skipped)] == ["per-model"]
+    # Each baseline left out is said, with why (the command prints them).
+    assert [n for n, _ in skipped] == ["huge", "bad-mix"] and all(why for _, why in skipped)
+    assert "10000" in skipped[0][1]
     kept = baseline_points(space, BaselineContext(hardware=HW), odd)
     assert [(b.name, v["scheduler.max_batch_seqs"]) for b, v in kept] == [("per-model", 2)]
     assert len({b.name for b in BASELINES}) == len(BASELINES)
