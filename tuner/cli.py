@@ -189,8 +189,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     enqueued = enqueue_baselines(study, points, args.trials)
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
-    if skipped:
-        say(f"tuner: baselines not run here: {'; '.join(f'{n} ({why})' for n, why in skipped)}")
+    by_reason: dict[str, list[str]] = {}
+    for n, why in skipped:
+        by_reason.setdefault(why, []).append(n)
+    for why, names in by_reason.items():
+        say(f"tuner: baselines not run here: {', '.join(names)}: {why}")
     measurer = Measurer(backend, workload, slo, measure_settings)
     noise = NoisePhase(measurer, recorder, args.noise_repeats, say=say if not args.quiet else (lambda _m: None))
     objective = Objective(
