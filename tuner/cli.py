@@ -177,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        "prune": not args.no_prune}
     study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
                             slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
-                            hardware=hw, software=sw, settings=stored_settings)
+                            hardware=hw, software=sw, settings=stored_settings, backend=backend.kind)
     recorder = Recorder(db, study_id)
     on_lost = RetryLostTrial()
     on_lost.recorder = recorder

@@ -59,8 +59,10 @@ def record_study(
     hardware: Mapping[str, Any],
     software: Mapping[str, Any],
     settings: Mapping[str, Any] | None = None,
+    backend: str = "live",
 ) -> int:
-    """Create (or find, when resuming) the ``mt_studies`` row; returns its id."""
+    """Create (or find, when resuming) the ``mt_studies`` row; returns its id. ``backend``: the kind of
+    the backend whose replays produce the study's results (``engine.backend.Backend.kind``)."""
     with session_scope(db) as s:
         model_id = get_or_create_model(s, identity)
         workload_id = get_or_create_workload(
@@ -77,7 +79,7 @@ def record_study(
             name,
             model_id=model_id,
             workload_id=workload_id,
-            backend="live",
+            backend=backend,
             search_space_hash=space_hash,
             objectives=list(objectives),
             slo=slo,
