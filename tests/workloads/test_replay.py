@@ -64,7 +64,7 @@ def test_replay_of_builtin_chat_matches_engine_run(server, model_dir):
     assert m["server"]["models"] == httpx.get(url + "/models").json()
     assert m["config_hash"] == srv.loop.info.config_hash and m["model"]["fingerprint"]
     assert not m["errors"] and not m["prompt_length_mismatch"] and not m["output_length_mismatch"]
-    assert s["ttft_ms_p50"] is not None and s["tpot_ms_p99"] is not None
+    assert s["ttft_p50_ms"] is not None and s["tpot_p99_ms"] is not None
 
 
 def test_text_prompts_and_the_database(server, model_dir, tmp_path, capsys):
