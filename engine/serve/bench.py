@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 TPOT_TARGET_PCT = 5.0
 TTFT_TARGET_MS = 20.0
 _START_TIMEOUT_S = 300.0
-METRICS = ("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p50", "e2e_ms_p50", "ttft_ms_p99", "tpot_ms_p99",
+METRICS = ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "e2e_p50_ms", "ttft_p99_ms", "tpot_p99_ms",
            "output_tokens_per_s")
 
 
@@ -156,8 +156,8 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
     served = [r for r in rows if r["how"] == "served"]
     inproc = [r for r in rows if r["how"] == "inprocess"]
     med = {how: {k: _median(rs, k) for k in METRICS} for how, rs in (("served", served), ("inprocess", inproc))}
-    s_tpot, i_tpot = med["served"]["tpot_ms_p50"], med["inprocess"]["tpot_ms_p50"]
-    s_ttft, i_ttft = med["served"]["ttft_ms_p50"], med["inprocess"]["ttft_ms_p50"]
+    s_tpot, i_tpot = med["served"]["tpot_p50_ms"], med["inprocess"]["tpot_p50_ms"]
+    s_ttft, i_ttft = med["served"]["ttft_p50_ms"], med["inprocess"]["ttft_p50_ms"]
     tpot_pct = (s_tpot / i_tpot - 1) * 100 if s_tpot and i_tpot else None
     ttft_ms = s_ttft - i_ttft if s_ttft is not None and i_ttft is not None else None
     same_tokens = all((a["requests_done"], a["prompt_tokens"], a["output_tokens"])
