@@ -81,7 +81,7 @@ def _provenance(engine) -> dict[str, Any]:
     return {"hardware": hardware(), "software": software(), "device": str(engine.device),
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
-            "config_hash": engine.config.config_hash()}
+            "ep_ranks": engine.config.parallel.ep_size, "config_hash": engine.config.config_hash()}
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
         sp.add_argument("--config", help="engine config JSON (or a `tuner export` file)")
         sp.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+        sp.add_argument("--ep", dest="knob__ep_size", metavar="N",
+                        help="expert parallelism over N ranks (processes; one GPU each on CUDA): the same as "
+                             "--ep-size")
         add_cli_args(sp)
 
     g = sub.add_parser("generate", help="generate tokens for one prompt")
@@ -429,11 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from engine.parallel import EPError
     from workloads.schema import WorkloadError
 
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, WorkloadError, ValueError, OSError) as e:
+    except (ConfigError, CheckpointError, WorkloadError, EPError, ValueError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"engine: error: {msg}", file=sys.stderr)
         return 2
