@@ -182,14 +182,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
           f"{res['weight_dtype']} (stored {res['checkpoint_dtype']}), {res['compute_dtype']} products by "
-          f"{res['cpu_kernels']} kernels on {res['device']}, {res['threads']} threads; "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
+          f"{res['cpu_kernels']} kernels on {res['device']}, {res['threads']} threads"
+          + (f" per rank, {res['ep_ranks']} expert-parallel ranks (weights: rank 0's share)"
+             if res["ep_ranks"] > 1 else "")
+          + f"; prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
     print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "roofline_decode_tokens_per_s",
                                "roofline_fraction", "achieved_gb_per_s", "mem_bw_gb_per_s",
                                "decode_experts_touched_per_layer"],
                  {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "roofline_decode_tokens_per_s": ".1f",
                   "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "mem_bw_gb_per_s": ".1f",
                   "decode_experts_touched_per_layer": ".1f"}))
+    if res["ep_ranks"] > 1:  # decode steps: pairs per rank, max/mean per layer, combine bytes per step
+        print(_table(res["rows"], ["batch", "ep_tokens_per_rank", "ep_imbalance", "ep_step_imbalance",
+                                   "ep_bytes_combined_per_step"],
+                     {"ep_imbalance": ".3f", "ep_step_imbalance": ".3f", "ep_bytes_combined_per_step": ".0f"}))
     if args.json:
         print(json.dumps({**res, "provenance": _provenance(engine)}))
     return 0

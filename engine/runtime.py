@@ -310,6 +310,8 @@ class Engine:
         """Schedule and run one forward pass; sample one token for every sequence that completed a prompt
         or decoded."""
         t0 = time.perf_counter()
+        if self.ep_driver is not None:
+            self.ep_driver.check()  # a dead or failed rank: say so before the step touches any sequence
         layout = self.seqs.next_step()
         # Which request owns which rows of the step (router traces split by it).
         self.last_token_owners = layout.owners

@@ -42,6 +42,8 @@ HEADER_LEN = 8
 COMMAND_TIMEOUT = datetime.timedelta(days=7)
 """How long a rank waits for rank 0's next command (the watchdogs catch a dead rank 0 sooner)."""
 PARENT_POLL_S = 0.5
+JOINED_KEY = "moetune/ep/joined"
+"""Store counter every rank bumps before the rendezvous (rank 0 watches the processes until it is full)."""
 
 @dataclass(frozen=True)
 class RankSetup:
@@ -100,6 +102,7 @@ class Driver:
                                           nprocs=setup.n_ranks - 1, join=False, start_method="spawn")
         self.closed = False
         self.broken: str | None = None
+        self._wait_for_ranks(timeout_s)
         try:
             dist.init_process_group(backend_for(setup.device_type), store=self.store, rank=0,
                                     world_size=setup.n_ranks, timeout=timeout)
@@ -109,6 +112,19 @@ class Driver:
         atexit.register(self.close)  # a command that ends without closing its engine still stops the ranks
         log.info("expert parallelism: %d ranks on %s (pids %s)", setup.n_ranks, backend_for(setup.device_type),
                  self.pids)
+
+    def _wait_for_ranks(self, timeout_s: float) -> None:
+        """Wait until every spawned rank has reached the store, watching them: a rank that dies while it
+        starts (imports, loading) is named at once instead of holding the rendezvous for the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.add(JOINED_KEY, 0) < self.n_ranks - 1:
+            dead = self.dead()
+            if dead:
+                self._fail(None, "starting the ranks", dead)
+            if time.monotonic() > deadline:
+                self._fail(None, "starting the ranks", [f"ranks did not start within parallel.ep_timeout_s="
+                                                        f"{timeout_s:g}"])
+            time.sleep(0.05)
 
     @property
     def pids(self) -> list[int]:
@@ -255,13 +271,30 @@ def _worker_entry(index: int, setup_json: str) -> None:
     rank = index + 1
     threading.Thread(target=_parent_watchdog, args=(setup.parent_pid, rank), daemon=True,
                      name="moetune-ep-watchdog").start()
+    running = [True]
+
+    def on_sigint(signum, frame) -> None:
+        # torch.multiprocessing asks for SIGINT when the parent dies (it may come more than once, and after
+        # the failed collective): it interrupts the work, never the exit below.
+        if running[0]:
+            running[0] = False
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         follow(setup, rank)
-    except KeyboardInterrupt:
-        os._exit(130)
-    except Exception as e:  # one line, not a traceback: rank 0 reports the failure to the user
-        print(f"engine: rank {rank}: {_first_line(e)}; exiting", file=sys.stderr, flush=True)
-        os._exit(1)
+    except BaseException as e:  # one line, not a traceback: rank 0 reports the failure to the user
+        running[0] = False
+        # A collective with a dead rank 0 fails: say that rank 0 is gone rather than what the socket saw.
+        deadline = time.monotonic() + 1.0
+        while os.getppid() == setup.parent_pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != setup.parent_pid:
+            print(f"engine: rank {rank}: rank 0 (pid {setup.parent_pid}) is gone; exiting", file=sys.stderr,
+                  flush=True)
+        elif not isinstance(e, KeyboardInterrupt):
+            print(f"engine: rank {rank}: {_first_line(e)}; exiting", file=sys.stderr, flush=True)
+        os._exit(130 if isinstance(e, KeyboardInterrupt) else 1)
     os._exit(0)  # skip interpreter teardown (its threads and the process group are gone already)
 
 
@@ -276,6 +309,7 @@ def follow(setup: RankSetup, rank: int) -> None:
     torch.set_num_threads(setup.threads)
     timeout = datetime.timedelta(seconds=float(setup.config["parallel"]["ep_timeout_s"]))
     store = dist.TCPStore("127.0.0.1", setup.port, setup.n_ranks, False, timeout=timeout)
+    store.add(JOINED_KEY, 1)
     dist.init_process_group(backend_for(setup.device_type), store=store, rank=rank, world_size=setup.n_ranks,
                             timeout=timeout)
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
