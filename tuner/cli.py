@@ -100,6 +100,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.capacity and not workload.rate_per_s:
         raise ValueError(f"--capacity: workload {workload.name} has no arrival rate (every request at t=0)")
     url = resolve_url(args.db)
+    from tuner.worker import StudyLock, check_join, claim_sqlite, record_launch, run_budgeted
+
+    claim_sqlite(url)  # one worker per SQLite file (several workers: PostgreSQL)
     upgrade(url)
     db = make_engine(url)
 
@@ -119,7 +122,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         full_study_name,
         open_storage,
         open_study,
-        run_trials,
     )
 
     hw = hardware()
@@ -152,6 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "quality": not args.no_quality,
         "base_config_hash": start_config.config_hash(),
     }
+    if getattr(args, "join", None):  # tuner worker: this machine's model, hardware and space must be the study's
+        check_join(args.join, name=name, model_fingerprint=engine.fingerprint, hardware=hw)
     study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
                             slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
                             hardware=hw, software=sw)
@@ -161,7 +165,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     storage = open_storage(url, args.heartbeat_s, on_lost)
     study = open_study(storage, name, objectives, slo.constraint_names(), settings, seed=args.seed)
     points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
-    enqueued = enqueue_baselines(study, points, args.trials)
+    lock = StudyLock(url, name)  # workers on one study: baselines once, the --trials budget shared
+    with lock:
+        enqueued = enqueue_baselines(study, points, args.trials)
+        from db.store import stable_hash
+
+        record_launch(study, args, base.to_dict(), {"name": name, "model_fingerprint": engine.fingerprint,
+                                                    "hardware_hash": stable_hash(hw), "hardware": hw})
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
     objective = Objective(
@@ -199,12 +209,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     t_run = time.perf_counter()
     interrupted = False
     try:
-        ran = run_trials(study, objective, args.trials, timeout_s, on_trial)
+        ran = run_budgeted(study, objective, args.trials, lock, timeout_s, on_trial, say)
     except KeyboardInterrupt:
         interrupted = True
         ran = -1
     finally:
         bar.close()
+        lock.close()
     run_s = time.perf_counter() - t_run
     if interrupted:
         say(f"tuner: interrupted; finished trials are saved. Re-run the same command to resume study {name}.")
@@ -355,6 +366,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- parser
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from tuner.worker import cmd_worker
+
+    return cmd_worker(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tuner", description=(__doc__ or "").splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -416,6 +433,18 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     db_arg(ls)
     ls.set_defaults(fn=cmd_list)
+
+    w = sub.add_parser("worker", help="join a study with its recorded model, workload, SLO and space "
+                                      "(several workers share one study on PostgreSQL)")
+    w.add_argument("--study", required=True, help="the study's full name (as `tuner list` shows it)")
+    db_arg(w)
+    w.add_argument("--trials", type=int, help="the study's budget (default: the one it was started with)")
+    w.add_argument("--seed", type=int, help="sampler seed (default: this process id, so workers differ)")
+    w.add_argument("--heartbeat-s", type=int, default=10,
+                   help="trial heartbeat; a trial silent for 3 beats is retried once (default 10)")
+    w.add_argument("--quiet", action="store_true", help="no progress bar and no per-trial lines")
+    w.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    w.set_defaults(fn=_cmd_worker)
 
     d = sub.add_parser("dashboard", help="open the Streamlit dashboard on the results database")
     d.add_argument("--port", type=int, default=8501)
