@@ -103,7 +103,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tuner.worker import StudyLock, check_join, claim_sqlite, record_launch, run_budgeted
 
     claim_sqlite(url)  # one worker per SQLite file (several workers: PostgreSQL)
-    upgrade(url)
+    with StudyLock(url, "moetune:migrations") as setup_lock:  # workers starting together migrate once
+        upgrade(url)
+    setup_lock.close()
     db = make_engine(url)
 
     import optuna
@@ -156,22 +158,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if getattr(args, "join", None):  # tuner worker: this machine's model, hardware and space must be the study's
         check_join(args.join, name=name, model_fingerprint=engine.fingerprint, hardware=hw)
-    study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
-                            slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
-                            hardware=hw, software=sw)
-    recorder = Recorder(db, study_id)
-    on_lost = RetryLostTrial()
-    on_lost.recorder = recorder
-    storage = open_storage(url, args.heartbeat_s, on_lost)
-    study = open_study(storage, name, objectives, slo.constraint_names(), settings, seed=args.seed)
-    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
-    lock = StudyLock(url, name)  # workers on one study: baselines once, the --trials budget shared
-    with lock:
+    lock = StudyLock(url, name)  # workers on one study: created once, baselines once, the --trials budget shared
+    lock.acquire()
+    try:
+        study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
+                                slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
+                                hardware=hw, software=sw)
+        recorder = Recorder(db, study_id)
+        on_lost = RetryLostTrial()
+        on_lost.recorder = recorder
+        storage = open_storage(url, args.heartbeat_s, on_lost)
+        study = open_study(storage, name, objectives, slo.constraint_names(), settings, seed=args.seed)
+        points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
         enqueued = enqueue_baselines(study, points, args.trials)
         from db.store import stable_hash
 
         record_launch(study, args, base.to_dict(), {"name": name, "model_fingerprint": engine.fingerprint,
                                                     "hardware_hash": stable_hash(hw), "hardware": hw})
+    finally:
+        lock.release()
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
     objective = Objective(

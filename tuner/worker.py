@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +49,10 @@ ATTR_LAUNCH = "moetune_launch"
 LAUNCH_ARGS = ("model", "workload", "slo", "objective", "objectives", "mode", "rate_scale", "max_requests",
                "capacity", "fix", "no_prune", "no_quality", "memory_gib", "trials", "timeout")
 """The ``tuner run`` arguments a study records for its workers (``--config`` travels as the config itself)."""
+
+ATTR_WORKER = "worker"
+"""Trial user attribute: ``host:pid`` of the worker process that ran it."""
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 REAP_POLL_S = 1.0
 
@@ -174,6 +179,7 @@ def run_budgeted(study: optuna.Study, objective: Callable[[optuna.Trial], Any], 
 
     def first_release(trial: optuna.Trial) -> Any:
         lock.release()  # the trial exists (RUNNING): other workers now count it
+        trial.set_user_attr(ATTR_WORKER, WORKER_ID)
         return objective(trial)
 
     while True:

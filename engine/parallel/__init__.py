@@ -7,6 +7,20 @@ the communication costs are pure policy in :mod:`engine.moe.policy.placement`, s
 simulator.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
+
+def inert_here(hardware: Mapping[str, Any]) -> dict[str, str]:
+    """``parallel.ep_size`` searched only with two GPUs or more (``engine.hwinfo.hardware()``): on the CPU or
+    one GPU every rank shares the same memory and cores, so more ranks add collectives and no bandwidth
+    (``engine run|bench --ep N`` still runs there; the README's Scale out measures it)."""
+    gpus = int((hardware.get("gpu") or {}).get("count") or 0)
+    if gpus >= 2:
+        return {}
+    where = "one GPU" if gpus == 1 else "the CPU"
+    return {"parallel.ep_size": f"expert parallelism needs 2+ GPUs to add bandwidth; on {where} the ranks share "
+                                "one memory and its cores"}
 
 
 class EPError(RuntimeError):
@@ -14,4 +28,4 @@ class EPError(RuntimeError):
     without torch, so command entry points can catch it.)"""
 
 
-__all__ = ["EPError"]
+__all__ = ["EPError", "inert_here"]

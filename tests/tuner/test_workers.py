@@ -18,8 +18,9 @@ from db.models import RequestRow, Trial
 from db.session import make_engine, session_scope
 from db.testing import create_database
 from tuner.cli import main
+from tuner.objective import ATTR_BASELINE
 from tuner.study import counted_trials
-from tuner.worker import ATTR_LAUNCH, claim_sqlite
+from tuner.worker import ATTR_LAUNCH, ATTR_WORKER, claim_sqlite
 
 TRIALS = 12
 
@@ -29,30 +30,17 @@ def _popen(kit, args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _study_name(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            names = optuna.get_all_study_names(url)
-        except Exception:  # noqa: BLE001 - the first run is still creating Optuna's tables
-            names = []
-        if names:
-            study = optuna.load_study(study_name=names[0], storage=url)
-            if ATTR_LAUNCH in study.user_attrs:
-                return names[0]
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise AssertionError("the first worker did not create the study")
-
-
 def _start_three(kit, url: str) -> tuple[list[subprocess.Popen], str]:
-    """One ``tuner run`` that creates the study, then two ``tuner worker`` that join it."""
-    first = _popen(kit, ["run", *kit.FAST[:-1], "3", "--trials", str(TRIALS), "--db", url, "--study", "w",
+    """A one-trial ``tuner run`` makes the study (its launch recorded), then three ``tuner worker``
+    processes started together share its budget of TRIALS."""
+    first = _popen(kit, ["run", *kit.FAST[:-1], "3", "--trials", "1", "--db", url, "--study", "w",
                          "--heartbeat-s", "1", "--no-quality", "--quiet"])
-    name = _study_name(url, first)
-    joined = [_popen(kit, ["worker", "--db", url, "--study", name, "--heartbeat-s", "1", "--quiet"])
-              for _ in range(2)]
-    return [first, *joined], name
+    out, err = first.communicate(timeout=240)
+    assert first.returncode == 0, err
+    (name,) = optuna.get_all_study_names(url)
+    workers = [_popen(kit, ["worker", "--db", url, "--study", name, "--trials", str(TRIALS), "--heartbeat-s", "1",
+                            "--quiet"]) for _ in range(3)]
+    return workers, name
 
 
 def _check_study(url: str, name: str, lost: int) -> None:
@@ -76,8 +64,9 @@ def _check_study(url: str, name: str, lost: int) -> None:
                 assert row.state in ("complete", "pruned", "infeasible", "failed"), row.state
                 if row.state == "complete":
                     assert s.scalars(select(RequestRow.id).where(RequestRow.trial_id == row.id)).first()
-            for t in retried:
-                assert by_number[t.number].state == "failed" and "heartbeat" in by_number[t.number].error
+            for t in retried:  # killed before its row was written, or the row says why it does not count
+                row = by_number.get(t.number)
+                assert row is None or (row.state == "failed" and "heartbeat" in row.error), (row.state, row.error)
     finally:
         db.dispose()
     from dashboard.data import study_names
@@ -93,7 +82,10 @@ def test_three_workers_share_one_budget_on_postgresql(pg_server, kit):
         out, err = p.communicate(timeout=400)
         assert p.returncode == 0, err
     _check_study(url, name, lost=0)
-    baselines = [t.user_attrs.get("moetune_baseline") for t in
+    trials = optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)
+    ran_by = {t.user_attrs[ATTR_WORKER].split(":")[-1] for t in trials[1:]}  # trial 0: the study's first run
+    assert ran_by == {str(p.pid) for p in procs}
+    baselines = [t.user_attrs.get(ATTR_BASELINE) for t in
                  optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)]
     named = [b for b in baselines if b]
     assert named and len(named) == len(set(named))  # each baseline once
@@ -104,15 +96,18 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried_once(pg_server, kit):
     url = create_database(pg_server)
     procs, name = _start_three(kit, url)
     study = optuna.load_study(study_name=name, storage=url)
+    victim = procs[1]  # a `tuner worker`
     deadline = time.monotonic() + 240
-    victim = procs[1]
-    while time.monotonic() < deadline:  # every worker inside a trial: whichever is killed is mid-trial
+    while time.monotonic() < deadline:  # the victim's trial is running (its objective has started)
         trials = study.get_trials(deepcopy=False)
-        if sum(t.state == TrialState.RUNNING for t in trials) == 3 and len(counted_trials(trials)) >= 1:
+        mine = [t for t in trials if t.state == TrialState.RUNNING
+                and t.user_attrs.get(ATTR_WORKER, "").endswith(f":{victim.pid}")]
+        if mine:
             break
+        assert victim.poll() is None, victim.communicate()
         time.sleep(0.05)
     else:
-        raise AssertionError("three trials never ran at once")
+        raise AssertionError("the worker never ran a trial")
     victim.send_signal(signal.SIGKILL)
     victim.communicate()
     errs = []
@@ -121,6 +116,12 @@ def test_a_worker_killed_mid_trial_has_its_trial_retried_once(pg_server, kit):
         assert p.returncode == 0, err
         errs.append(err + out)
     _check_study(url, name, lost=1)
+    trials = optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)
+    (lost,) = [t for t in trials if t.number == mine[0].number]
+    assert lost.state == TrialState.FAIL
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == lost.number]
+    assert len(retry) == 1  # retried once, from the point it had drawn when its worker died
+    assert lost.params.items() <= retry[0].params.items()
 
 
 def test_worker_on_a_machine_that_differs_is_refused_with_one_line(sqlite_url, kit, capsys):
