@@ -6,6 +6,7 @@ Real processes (``tuner run`` and ``tuner worker``), a throwaway PostgreSQL serv
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -158,3 +159,44 @@ def test_a_second_worker_on_one_sqlite_file_is_refused(sqlite_url, kit, tmp_path
         holder.wait()
     claim_sqlite(sqlite_url)  # free again once that worker is gone; this process may claim it twice
     claim_sqlite(sqlite_url)
+
+
+def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(sqlite_url, kit, tmp_path):
+    """One worker killed during the study's last trial, then re-run at once: the re-run finds the budget
+    spent by a trial still marked running, waits out its heartbeat grace period (saying so), and runs its
+    retry; nothing stays running."""
+    args = ["run", *kit.FAST[:-1], "3", "--trials", "3", "--db", sqlite_url, "--study", "reap", "--heartbeat-s", "1",
+            "--no-quality", "--quiet"]
+    proc = _popen(kit, args)
+    db_file = tmp_path / "moetune.db"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # read-only polling: Optuna's storage would create its tables
+        states = []
+        if db_file.exists():
+            con = sqlite3.connect(f"file:{db_file}?mode=ro", uri=True, timeout=5)
+            try:
+                states = [r[0] for r in con.execute("SELECT state FROM trials")]
+            except sqlite3.OperationalError:  # not created yet
+                pass
+            finally:
+                con.close()
+        if states.count("COMPLETE") + states.count("PRUNED") == 2 and "RUNNING" in states:
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the last trial never ran")
+    proc.kill()
+    proc.communicate()
+    res = kit.run_cli(args, tmp_path)
+    assert res.returncode == 0, res.stderr
+    names = optuna.get_all_study_names(sqlite_url)
+    trials = optuna.load_study(study_name=names[0], storage=sqlite_url).get_trials(deepcopy=False)
+    assert len(counted_trials(trials)) == 3
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert [t.state for t in trials].count(TrialState.FAIL) == 1
+    if "waiting for running trial" not in res.stdout:  # its heartbeat was already stale when the re-run looked
+        assert "grace period" not in res.stdout
+    from dashboard.data import study_names
+
+    assert names[0] in study_names(sqlite_url)
