@@ -5,6 +5,7 @@
     tuner show --study NAME        # best trials, SLO attainment, gain over the baselines
     tuner export --study NAME --out best.json && engine run --config best.json
     tuner list | tuner dashboard
+    tuner worker --db postgresql+psycopg://USER@HOST/DB --study NAME   # one more worker on a study
 
 Bad input is one line on stderr and exit status 2; Ctrl-C stops after recording (status 130).
 """

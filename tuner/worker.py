@@ -80,8 +80,15 @@ class StudyLock:
         if self._engine is None or self._conn is not None:
             return
         from sqlalchemy import text
+        from sqlalchemy.exc import SQLAlchemyError
 
-        conn = self._engine.connect()
+        from db.session import DatabaseError
+
+        try:
+            conn = self._engine.connect()
+        except SQLAlchemyError as e:
+            cause = " ".join(str(e).split())[:200]
+            raise DatabaseError(f"cannot open database {mask_url(self.url)}: {cause}") from None
         conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": self.key})
         conn.commit()
         self._conn = conn
@@ -130,6 +137,8 @@ def claim_sqlite(url: str) -> None:
     if not path or path == ":memory:":
         return
     lock_path = Path(f"{path}.worker-lock")
+    if not lock_path.parent.is_dir():  # opening the database will say so, naming the URL
+        return
     if str(lock_path.resolve()) in _held:  # this process already is the file's worker
         return
     f = open(lock_path, "a+")  # noqa: SIM115 - held open for the life of the process
