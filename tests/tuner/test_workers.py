@@ -6,14 +6,14 @@ Real processes (``tuner run`` and ``tuner worker``), a throwaway PostgreSQL serv
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 
 import optuna
 from optuna.trial import TrialState
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.exc import ProgrammingError
 
 from db.models import RequestRow, Trial
 from db.session import make_engine, session_scope
@@ -161,25 +161,22 @@ def test_a_second_worker_on_one_sqlite_file_is_refused(sqlite_url, kit, tmp_path
     claim_sqlite(sqlite_url)
 
 
-def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(sqlite_url, kit, tmp_path):
+def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(pg_server, kit, tmp_path):
     """One worker killed during the study's last trial, then re-run at once: the re-run finds the budget
     spent by a trial still marked running, waits out its heartbeat grace period (saying so), and runs its
     retry; nothing stays running."""
-    args = ["run", *kit.FAST[:-1], "3", "--trials", "3", "--db", sqlite_url, "--study", "reap", "--heartbeat-s", "1",
+    url = create_database(pg_server)
+    args = ["run", *kit.FAST[:-1], "3", "--trials", "3", "--db", url, "--study", "reap", "--heartbeat-s", "1",
             "--no-quality", "--quiet"]
     proc = _popen(kit, args)
-    db_file = tmp_path / "moetune.db"
+    db = make_engine(url)
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # read-only polling: Optuna's storage would create its tables
-        states = []
-        if db_file.exists():
-            con = sqlite3.connect(f"file:{db_file}?mode=ro", uri=True, timeout=5)
-            try:
-                states = [r[0] for r in con.execute("SELECT state FROM trials")]
-            except sqlite3.OperationalError:  # not created yet
-                pass
-            finally:
-                con.close()
+    while time.monotonic() < deadline:  # plain SQL: Optuna's storage would create its tables
+        try:
+            with db.connect() as con:
+                states = [r[0] for r in con.execute(text("SELECT state FROM trials"))]
+        except ProgrammingError:  # not created yet
+            states = []
         if states.count("COMPLETE") + states.count("PRUNED") == 2 and "RUNNING" in states:
             break
         assert proc.poll() is None, proc.communicate()
@@ -190,8 +187,9 @@ def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(sqlite_url, kit, 
     proc.communicate()
     res = kit.run_cli(args, tmp_path)
     assert res.returncode == 0, res.stderr
-    names = optuna.get_all_study_names(sqlite_url)
-    trials = optuna.load_study(study_name=names[0], storage=sqlite_url).get_trials(deepcopy=False)
+    db.dispose()
+    names = optuna.get_all_study_names(url)
+    trials = optuna.load_study(study_name=names[0], storage=url).get_trials(deepcopy=False)
     assert len(counted_trials(trials)) == 3
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     assert [t.state for t in trials].count(TrialState.FAIL) == 1
@@ -199,4 +197,4 @@ def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(sqlite_url, kit, 
         assert "grace period" not in res.stdout
     from dashboard.data import study_names
 
-    assert names[0] in study_names(sqlite_url)
+    assert names[0] in study_names(url)
