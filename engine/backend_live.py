@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.backend import RunStart, RunTail, WallClock
-from engine.config import HOTNESS_RESIDENCIES, inert_knobs
+from engine.config import inert_knobs, uses_hotness
 from engine.moe.policy.plan import DecisionLog
 from engine.precision import dtype_name, precision_of
 from engine.results import ExpertStat
@@ -45,7 +45,7 @@ class LiveBackend:
         if run.trace is not None:
             # A trace recorded with another model would mislead every placement decision built on it.
             run.trace.check_model(self.model_identity(), run.source)
-            if eng.config.experts.residency in HOTNESS_RESIDENCIES:
+            if uses_hotness(eng.config):
                 eng.set_hotness(run.trace.hotness())
         if eng.hotness is None:
             eng.warm_up_hotness()  # no-op unless static or dynamic residency needs a profile
@@ -53,6 +53,8 @@ class LiveBackend:
         # Each run starts from the initial placement, so its plans and statistics are its own.
         eng.model.reset_plans(self._log)
         eng.model.stats.reset()
+        if eng.model.ep is not None:
+            eng.model.ep.stats.reset()
         eng.model.record_routes = run.record_routes
         self._routes = {} if run.record_routes else None
         if eng.device.type == "cuda":
@@ -97,6 +99,7 @@ class LiveBackend:
             "compute_dtype": dtype_name(eng.dtype),
             "weight_dtype": dtype_name(eng.weight_dtype),
             "cpu_kernels": eng.kernels_label,
+            "ep_ranks": eng.config.parallel.ep_size,
             # Tiers are distinct only with an accelerator; elsewhere the hybrid code runs on host memory alone.
             "hybrid": eng.device.type == "cuda" and hybrid is not None,
             "inert_knobs": {**inert_knobs(eng.device.type == "cuda"), **(hybrid.inert if hybrid is not None else {})},
@@ -116,9 +119,11 @@ class LiveBackend:
         self._log = None
         eng.model.controller.log = None
         peak = int(torch.cuda.max_memory_allocated(eng.device)) if eng.device.type == "cuda" else None
+        # Expert parallelism: per-rank tokens, load imbalance and bytes per step (rank 0's count of every rank).
+        extra = {"ep": eng.model.ep.describe()} if eng.model.ep is not None else {}
         return RunTail(expert_stats=self.expert_stats(), tiers=hybrid.stats if hybrid is not None else None,
                        fast_tier_expert_bytes=hybrid.fast_bytes() if hybrid is not None else None,
-                       routes=routes, decisions=decisions, peak_device_mem_bytes=peak)
+                       routes=routes, decisions=decisions, peak_device_mem_bytes=peak, extra_meta=extra)
 
     def expert_stats(self) -> list[ExpertStat]:
         """Tokens routed to each expert, and where it lived and in which precision at the end of the run."""

@@ -28,6 +28,8 @@ def prefill_then_decode(engine: Engine, prompts: list[list[int]], new_tokens: in
         engine.step()
     prefill_s = time.perf_counter() - t
     engine.model.stats.reset()
+    if engine.model.ep is not None:
+        engine.model.ep.stats.reset()
     steps: list[float] = []
     while engine.has_work:
         steps.append(engine.step().duration_s)
@@ -53,6 +55,12 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
     step_med = statistics.median(step_s) if step_s else float("nan")
     decode_tps = batch / step_med
     roofline_tps = batch * bw * 1e9 / bytes_per_step
+    ep = {}
+    if engine.model.ep is not None:  # decode steps only (reset after the prefill)
+        s = engine.model.ep.stats.summary()
+        ep = {"ep_tokens_per_rank": s["tokens_per_rank"], "ep_imbalance": s["imbalance_mean"],
+              "ep_step_imbalance": s["step_imbalance_mean"],
+              "ep_bytes_combined_per_step": s["bytes_combined_per_step_mean"]}
     return {
         "batch": batch,
         "prompt_len": prompt_len,
@@ -67,11 +75,14 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
         "mem_bw_gb_per_s": bw,
         "roofline_decode_tokens_per_s": roofline_tps,
         "roofline_fraction": decode_tps / roofline_tps,
+        **ep,
     }
 
 
 def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, repeats: int = 1,
               warmup: bool = True) -> dict[str, Any]:
+    if engine.hotness is None:
+        engine.warm_up_hotness()  # placements by hotness (residency, expert parallelism) need a profile
     if warmup:
         bench_batch(engine, 1, min(prompt_len, 16), 4)
     rows = []
@@ -88,5 +99,6 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
             "cpu_kernels": engine.kernels_label,
             "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),
-            "threads": torch.get_num_threads(), "weight_bytes": engine.model.weight_bytes(),
+            "threads": torch.get_num_threads(), "ep_ranks": engine.config.parallel.ep_size,
+            "weight_bytes": engine.model.weight_bytes(),
             "load_s": engine.load_s, "rows": rows}

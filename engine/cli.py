@@ -81,7 +81,7 @@ def _provenance(engine) -> dict[str, Any]:
     return {"hardware": hardware(), "software": software(), "device": str(engine.device),
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
-            "config_hash": engine.config.config_hash()}
+            "ep_ranks": engine.config.parallel.ep_size, "config_hash": engine.config.config_hash()}
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -183,14 +183,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
           f"{res['weight_dtype']} (stored {res['checkpoint_dtype']}), {res['compute_dtype']} products by "
-          f"{res['cpu_kernels']} kernels on {res['device']}, {res['threads']} threads; "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
+          f"{res['cpu_kernels']} kernels on {res['device']}, {res['threads']} threads"
+          + (f" per rank, {res['ep_ranks']} expert-parallel ranks (weights: rank 0's share)"
+             if res["ep_ranks"] > 1 else "")
+          + f"; prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
     print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "roofline_decode_tokens_per_s",
                                "roofline_fraction", "achieved_gb_per_s", "mem_bw_gb_per_s",
                                "decode_experts_touched_per_layer"],
                  {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "roofline_decode_tokens_per_s": ".1f",
                   "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "mem_bw_gb_per_s": ".1f",
                   "decode_experts_touched_per_layer": ".1f"}))
+    if res["ep_ranks"] > 1:  # decode steps: pairs per rank, max/mean per layer, combine bytes per step
+        print(_table(res["rows"], ["batch", "ep_tokens_per_rank", "ep_imbalance", "ep_step_imbalance",
+                                   "ep_bytes_combined_per_step"],
+                     {"ep_imbalance": ".3f", "ep_step_imbalance": ".3f", "ep_bytes_combined_per_step": ".0f"}))
     if args.json:
         print(json.dumps({**res, "provenance": _provenance(engine)}))
     return 0
@@ -335,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
         sp.add_argument("--config", help="engine config JSON (or a `tuner export` file)")
         sp.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+        sp.add_argument("--ep", dest="knob__ep_size", metavar="N",
+                        help="expert parallelism over N ranks (processes; one GPU each on CUDA): the same as "
+                             "--ep-size")
         add_cli_args(sp)
 
     g = sub.add_parser("generate", help="generate tokens for one prompt")
@@ -430,11 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from engine.parallel import EPError
     from workloads.schema import WorkloadError
 
     try:
         return args.fn(args)
-    except (ConfigError, CheckpointError, WorkloadError, ValueError, OSError) as e:
+    except (ConfigError, CheckpointError, WorkloadError, EPError, ValueError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"engine: error: {msg}", file=sys.stderr)
         return 2

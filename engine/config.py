@@ -230,6 +230,34 @@ class RoutingConfig:
         min=0.0, max=1.0, search=Search(low=0.0, high=0.2))
 
 
+_EP = {"ep_size": tuple(range(2, 65))}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism across processes (``torch.distributed``): attention and dense layers replicated
+    on every rank, each MoE layer's experts partitioned across ranks, outputs summed by an all-reduce."""
+
+    ep_size: int = knob(
+        1, "Ranks (processes; one GPU each on CUDA) the experts are partitioned across; 1 = one process.",
+        min=1, max=64, search=Search(choices=(1, 2, 4, 8)))
+    ep_placement: Literal["contiguous", "hotness", "eplb"] = knob(
+        "contiguous", "Which rank holds which experts: contiguous blocks; hotness = by recorded hotness, balanced "
+        "across ranks; eplb = hotness plus redundant_experts extra copies of the hottest experts on other ranks.",
+        search=Search(), when=_EP)
+    redundant_experts: int = knob(
+        0, "eplb placement: extra expert copies per MoE layer, given to the experts with the highest load per "
+        "copy; a replicated expert's tokens are split across its copies.", min=0, max=4096,
+        search=Search(low=0, high=8), when={"ep_placement": ("eplb",)})
+    ep_combine_chunks: int = knob(
+        1, "Row chunks per MoE layer: 1 = sum the ranks' outputs after all local experts ran; N > 1 = each "
+        "chunk's all-reduce runs while the next chunk's experts compute (overlap).", min=1, max=64,
+        search=Search(low=1, high=4), when=_EP)
+    ep_timeout_s: float = knob(
+        120.0, "A collective that waits this long for another rank fails the step with one line naming it "
+        "(a dead rank is reported at once).", min=1.0, max=86400.0, behaviour=False)
+
+
 EXPERT_AREAS = ("experts", "execution", "routing")
 """Areas whose knobs, set away from their defaults, need the hybrid expert executor."""
 
@@ -240,6 +268,7 @@ AREAS: dict[str, type] = {
     "experts": ResidencyConfig,
     "execution": ExecutionConfig,
     "routing": RoutingConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -374,6 +403,7 @@ class EngineConfig:
     experts: ResidencyConfig = field(default_factory=ResidencyConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {area: dataclasses.asdict(getattr(self, area)) for area in AREAS}
@@ -446,6 +476,19 @@ class EngineConfig:
                                   "weights must be >= 0 with a positive sum")
         if r.lo_precision != "none" and r.hi_precision == r.lo_precision:
             raise ConfigError(f"{source}: experts.lo_precision={r.lo_precision!r} equals hi_precision")
+        p = self.parallel
+        if p.ep_size > 1:
+            hybrid = [k for k in departures_from_plain(self) if not k.startswith("routing.")]
+            if hybrid:
+                k = hybrid[0]
+                area, name = k.split(".")
+                raise ConfigError(
+                    f"{source}: parallel.ep_size={p.ep_size} with {k}={getattr(getattr(self, area), name)!r}: "
+                    "expert parallelism runs every expert resident on its rank (no hybrid executor); "
+                    "use ep_size 1 for that knob")
+        if p.redundant_experts and p.ep_placement != "eplb":
+            raise ConfigError(f"{source}: parallel.redundant_experts={p.redundant_experts} needs "
+                              f"parallel.ep_placement='eplb' (got {p.ep_placement!r})")
         if r.int4_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"{source}: experts.int4_group_size={r.int4_group_size}: must be one of "
                               f"{', '.join(map(str, INT4_GROUP_SIZES))} (a power of two)")
@@ -469,6 +512,13 @@ class EngineConfig:
                 raise ConfigError(
                     f"{source}: experts.budget_layer_weights has {n} entries; the model has "
                     f"{len(spec.moe_layers)} MoE layers")
+        p = self.parallel
+        if p.ep_size > spec.n_experts:
+            raise ConfigError(f"{source}: parallel.ep_size={p.ep_size} exceeds the model's {spec.n_experts} experts")
+        if p.ep_size > 1 and p.redundant_experts > spec.n_experts * (p.ep_size - 1):
+            raise ConfigError(
+                f"{source}: parallel.redundant_experts={p.redundant_experts} exceeds n_experts * (ep_size - 1) = "
+                f"{spec.n_experts * (p.ep_size - 1)} (at most one copy of an expert per rank)")
         k = self.routing.top_k_override
         if k > spec.n_experts:
             raise ConfigError(f"{source}: routing.top_k_override={k} exceeds the model's {spec.n_experts} experts")
@@ -511,6 +561,13 @@ def departures_from_plain(cfg: EngineConfig) -> list[str]:
     defaults: each needs the hybrid expert executor. Empty for a plain config."""
     return [k.key for k in knobs() if k.executor and knob_active(cfg, k)
             and getattr(getattr(cfg, k.area), k.name) != k.default]
+
+
+def uses_hotness(cfg: EngineConfig) -> bool:
+    """Whether ``cfg`` places anything from a hotness profile (a router trace, or warm-up routing):
+    static or dynamic residency, or an expert-parallel placement other than contiguous."""
+    p = cfg.parallel
+    return cfg.experts.residency in HOTNESS_RESIDENCIES or (p.ep_size > 1 and p.ep_placement != "contiguous")
 
 
 def knob_default(name: str) -> Any:

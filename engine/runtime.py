@@ -8,13 +8,14 @@ code runs on CUDA and on the CPU.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from engine.calibrate import cpu_compute_dtype
-from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain
+from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain, uses_hotness
 from engine.model.checkpoint import Checkpoint
 from engine.model.decoder import KVCache, MoEDecoder, StepBatch
 from engine.model.maker import resolve_model
@@ -98,6 +99,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.config.validate()
         rt = self.config.runtime
+        self.ep_driver = None
+        self._threads_before = torch.get_num_threads()
         if rt.threads:
             torch.set_num_threads(rt.threads)
         self.model_path = resolve_model(str(model))
@@ -111,7 +114,21 @@ class Engine:
         self.weight_dtype = pick_weight_dtype(rt.cpu_kernels, self.dtype, self.ckpt.dtype, self.device)
         self.expert_device = self._expert_device(self.config)
         t = time.perf_counter()
-        self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device, self.weight_dtype)
+        n_ranks = self.config.parallel.ep_size
+        if n_ranks > 1:
+            self._start_ranks(n_ranks)  # the other ranks load their part while this one loads its own
+        try:
+            self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device, self.weight_dtype,
+                                    load_experts=n_ranks == 1)
+            if n_ranks > 1:
+                from engine.parallel.ep import EPExperts
+
+                self.model.ep = EPExperts(self.ckpt, self.config, 0, n_ranks, self.dtype, self.weight_dtype,
+                                          self.device, self.ep_driver)
+        except BaseException:
+            if self.ep_driver is not None:  # the other ranks must not outlive a failed start
+                self.ep_driver.close()
+            raise
         self.load_s = time.perf_counter() - t
         self.fingerprint = self.ckpt.fingerprint()
         log.info("loaded %s (%s, %s products of %s weights on %s) in %.1fs", self.model_path, self.spec.arch,
@@ -139,6 +156,31 @@ class Engine:
             return f"torch ({str(self.dtype).replace('torch.', '')} compute)"
         return f"torch (no native kernels: {kernels.status()['error']})"
 
+    def _start_ranks(self, n_ranks: int) -> None:
+        """Spawn ranks 1..N-1 of expert parallelism and join their process group (see engine.parallel)."""
+        from engine.parallel.group import Driver, RankSetup
+        from engine.precision import dtype_name
+
+        if self.device.type == "cuda":
+            if n_ranks > torch.cuda.device_count():
+                raise ConfigError(f"parallel.ep_size={n_ranks}: one GPU per rank, {torch.cuda.device_count()} here")
+            self.device = torch.device("cuda:0")
+        threads = self.config.runtime.threads or max(1, len(os.sched_getaffinity(0)) // n_ranks)
+        torch.set_num_threads(threads)  # the ranks share this machine's cores
+        setup = RankSetup(str(self.model_path), self.config.to_dict(), dtype_name(self.dtype),
+                          dtype_name(self.weight_dtype), self.device.type, n_ranks, threads)
+        self.ep_driver = Driver(setup, self.config.parallel.ep_timeout_s)
+
+    def close(self) -> None:
+        """Release what the engine started: the hybrid executor's threads, expert-parallel ranks."""
+        if self.model.hybrid is not None:
+            self.model.hybrid.close()
+            self.model.hybrid = None
+        if self.ep_driver is not None:
+            self.ep_driver.close()
+            self.ep_driver = None
+            torch.set_num_threads(self._threads_before)
+
     def _expert_device(self, config: EngineConfig) -> torch.device:
         # With a GPU and partial residency, all experts load to host memory and the plan copies some up.
         if self.device.type == "cuda" and config.experts.residency != "all":
@@ -154,6 +196,10 @@ class Engine:
         self.model.top_k_override = self.config.routing.top_k_override
         self.model.min_gate_weight = self.config.routing.min_gate_weight
         settings = plan_settings(self.config, self.spec, precision_of(self.weight_dtype))
+        if self.model.ep is not None:  # every expert resident on its rank: plain plans, routing knobs applied
+            self.model.reset_plans(settings=settings)
+            self.ep_driver.send_config(self.config.to_dict())
+            return
         if is_plain(self.config):
             self.model.reset_plans(settings=settings)
             return
@@ -177,13 +223,15 @@ class Engine:
         self.hotness = hotness
         if self.model.hybrid is not None and self.config.experts.residency in HOTNESS_RESIDENCIES:
             self._setup_experts()
+        if self.model.ep is not None:
+            self.model.ep.place(hotness)  # every rank re-places from the same profile
 
     def warm_up_hotness(self, tokens: int | None = None) -> None:
         """Count expert hotness by routing synthetic tokens (when no router trace is given)."""
         import numpy as np
 
         n = self.config.experts.hotness_warmup_tokens if tokens is None else tokens
-        if n <= 0 or self.config.experts.residency not in HOTNESS_RESIDENCIES:
+        if n <= 0 or not uses_hotness(self.config):
             return
         g = torch.Generator().manual_seed(self.config.runtime.seed + 17)
         ids = torch.randint(0, self.spec.vocab_size, (n,), generator=g).tolist()
@@ -224,10 +272,10 @@ class Engine:
         old = self.config
         config.validate()
         config.validate_for(self.spec, fast_tier_bytes(self.device))
-        if (weights_key(config) != weights_key(old) or self._expert_device(config) != self.expert_device):
+        if (weights_key(config) != weights_key(old) or self._expert_device(config) != self.expert_device
+                or config.parallel != old.parallel):
             hotness, cost = self.hotness, self._given_cost
-            if self.model.hybrid is not None:
-                self.model.hybrid.close()  # its copier and host-compute threads go with the old weights
+            self.close()  # the hybrid executor's threads and the expert-parallel ranks go with the old weights
             self.__init__(self.model_path, config, cost)  # a different device or precision needs the weights again
             if hotness is not None:
                 self.set_hotness(hotness)
@@ -262,6 +310,8 @@ class Engine:
         """Schedule and run one forward pass; sample one token for every sequence that completed a prompt
         or decoded."""
         t0 = time.perf_counter()
+        if self.ep_driver is not None:
+            self.ep_driver.check()  # a dead or failed rank: say so before the step touches any sequence
         layout = self.seqs.next_step()
         # Which request owns which rows of the step (router traces split by it).
         self.last_token_owners = layout.owners

@@ -38,3 +38,27 @@ def test_worker_command_parses_with_the_tuner(compose):
     args = [c.split(":-", 1)[1].rstrip("}") if c.startswith("${") else c for c in cmd[1:]]
     ns = build_parser().parse_args(args)
     assert ns.db.startswith("postgresql+psycopg://moetune:") and "@db:5432/" in ns.db
+
+
+def test_every_name_the_file_uses_exists(compose):
+    """The builtin model and workload the workers default to, the dashboard's script, and each variable
+    the header's example sets is one a command reads."""
+    import re
+
+    from engine.model.arch import ARCHS
+    from engine.model.maker import PRESETS
+    from workloads.schema import builtin_names
+
+    text = (ROOT / "docker-compose.yml").read_text()
+    cmd = [str(c) for c in compose["services"]["worker"]["command"]]
+    defaults = {m.group(1): m.group(2) for c in cmd if (m := re.fullmatch(r"\$\{(\w+):-(.*)\}", c))}
+    arch, _, preset = defaults["MODEL"].removeprefix("builtin:").rpartition("-")
+    assert arch in ARCHS and preset in PRESETS, defaults["MODEL"]
+    assert defaults["WORKLOAD"].removeprefix("builtin:") in builtin_names(), defaults["WORKLOAD"]
+    assert int(defaults["TRIALS"]) >= 1
+    example = next(line for line in text.splitlines() if "docker compose up" in line)
+    for var in re.findall(r"\b([A-Z_]+)=", example):
+        assert var in defaults, f"the header sets {var}, which no worker command reads"
+    assert "--scale worker=" in example  # several workers share one study (tuner/worker.py's budget)
+    dash = compose["services"]["dashboard"]["command"]
+    assert dash[:2] == ["streamlit", "run"] and (ROOT / dash[2]).is_file()

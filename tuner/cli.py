@@ -6,6 +6,7 @@
     tuner show --study NAME        # noise, confirmed gains with intervals, best trials
     tuner export --study NAME --out best.json && engine run --config best.json
     tuner list | tuner dashboard
+    tuner worker --db postgresql+psycopg://USER@HOST/DB --study NAME   # one more worker on a study
 
 Bad input is one line on stderr and exit status 2; Ctrl-C stops after recording (status 130).
 """
@@ -114,7 +115,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     objectives = _objectives(args, slo, workload)
     url = resolve_url(args.db)
-    upgrade(url)
+    from tuner.worker import StudyLock, check_join, claim_sqlite, record_launch, run_budgeted
+
+    claim_sqlite(url)  # one worker per SQLite file (several workers: PostgreSQL)
+    with StudyLock(url, "moetune:migrations") as setup_lock:  # workers starting together migrate once
+        upgrade(url)
+    setup_lock.close()
     db = make_engine(url)
 
     import optuna
@@ -138,7 +144,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         make_pruner,
         open_storage,
         open_study,
-        run_trials,
     )
 
     hw = hardware()
@@ -175,18 +180,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     stored_settings = {**settings, "model": args.model, "workload": args.workload, "noise_repeats": args.noise_repeats,
                        "prune": not args.no_prune}
-    study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
-                            slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
-                            hardware=hw, software=sw, settings=stored_settings, backend=backend.kind)
-    recorder = Recorder(db, study_id)
-    on_lost = RetryLostTrial()
-    on_lost.recorder = recorder
-    storage = open_storage(url, args.heartbeat_s, on_lost)
-    study = open_study(storage, name, objectives, constraints, settings, seed=args.seed,
-                       pruner=make_pruner(len(rungs)))
-    skipped: list[tuple[str, str]] = []
-    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config), skipped=skipped)
-    enqueued = enqueue_baselines(study, points, args.trials)
+    if getattr(args, "join", None):  # tuner worker: this machine's model, hardware and space must be the study's
+        check_join(args.join, name=name, model_fingerprint=engine.fingerprint, hardware=hw)
+    lock = StudyLock(url, name)  # workers on one study: created once, baselines once, the --trials budget shared
+    lock.acquire()
+    try:
+        study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
+                                slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
+                                hardware=hw, software=sw, settings=stored_settings, backend=backend.kind)
+        recorder = Recorder(db, study_id)
+        on_lost = RetryLostTrial()
+        on_lost.recorder = recorder
+        storage = open_storage(url, args.heartbeat_s, on_lost)
+        study = open_study(storage, name, objectives, constraints, settings, seed=args.seed,
+                           pruner=make_pruner(len(rungs)))
+        skipped: list[tuple[str, str]] = []
+        points = baseline_points(space, BaselineContext(engine.spec, hw, start_config), skipped=skipped)
+        enqueued = enqueue_baselines(study, points, args.trials)
+        from db.store import stable_hash
+
+        record_launch(study, args, base.to_dict(), {"name": name, "model_fingerprint": engine.fingerprint,
+                                                    "hardware_hash": stable_hash(hw), "hardware": hw})
+    finally:
+        lock.release()
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
     by_reason: dict[str, list[str]] = {}
@@ -234,7 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     interrupted = False
     confirm_s = 0.0
     try:
-        ran = run_trials(study, objective, args.trials, timeout_s, on_trial, between=noise)
+        ran = run_budgeted(study, objective, args.trials, lock, timeout_s, on_trial, say, between=noise)
         bar.close()
         if args.confirm_repeats and len(objectives) == 1:
             t = time.perf_counter()
@@ -246,6 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ran = -1
     finally:
         bar.close()
+        lock.close()
     run_s = time.perf_counter() - t_run
     if interrupted:
         say(f"tuner: interrupted; finished trials are saved. Re-run the same command to resume study {name}.")
@@ -403,6 +420,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- parser
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from tuner.worker import cmd_worker
+
+    return cmd_worker(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_SLO
 
@@ -491,6 +514,18 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     db_arg(ls)
     ls.set_defaults(fn=cmd_list)
+
+    w = sub.add_parser("worker", help="join a study with its recorded model, workload, SLO and space "
+                                      "(several workers share one study on PostgreSQL)")
+    w.add_argument("--study", required=True, help="the study's full name (as `tuner list` shows it)")
+    db_arg(w)
+    w.add_argument("--trials", type=int, help="the study's budget (default: the one it was started with)")
+    w.add_argument("--seed", type=int, help="sampler seed (default: this process id, so workers differ)")
+    w.add_argument("--heartbeat-s", type=int, default=10,
+                   help="trial heartbeat; a trial silent for 3 beats is retried once (default 10)")
+    w.add_argument("--quiet", action="store_true", help="no progress bar and no per-trial lines")
+    w.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    w.set_defaults(fn=_cmd_worker)
 
     d = sub.add_parser("dashboard", help="open the Streamlit dashboard on the results database")
     d.add_argument("--port", type=int, default=8501)

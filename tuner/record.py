@@ -131,5 +131,7 @@ class Recorder:
         with session_scope(self.db) as s:
             trial = s.scalars(select(Trial).where(Trial.study_id == self.study_id,
                                                   Trial.number == number)).one_or_none()
-            if trial is not None and trial.state == "running":
+            # Also a row already written complete: its worker died before Optuna recorded the result, and
+            # the retry runs it again (the study counts the retry, so the row must not count too).
+            if trial is not None and trial.state != "failed":
                 fail_trial(s, trial.id, reason, state="failed")

@@ -58,7 +58,13 @@ def _registry_rule(hardware: Mapping[str, Any]) -> dict[str, str]:
 #: Rules that name knobs doing nothing on a machine (``engine.hwinfo.hardware()``), each returning
 #: ``{knob key: reason}``: the registry's ``needs`` (GPU-only knobs, knobs that need a fast tier
 #: apart from the host), and any a later engine adds here.
-INERT_RULES: list[InertRule] = [_registry_rule]
+def _ep_rule(hardware: Mapping[str, Any]) -> dict[str, str]:
+    from engine.parallel import inert_here
+
+    return inert_here(hardware)
+
+
+INERT_RULES: list[InertRule] = [_registry_rule, _ep_rule]
 
 
 def inert_knobs(hardware: Mapping[str, Any], rules: list[InertRule] | None = None) -> dict[str, str]:

@@ -94,7 +94,7 @@ class RetryLostTrial:
             from optuna.storages import RetryFailedTrialCallback as Retry
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            self._retry = Retry(max_retry=3)
+            self._retry = Retry(max_retry=1)  # a trial whose worker died is retried once
         self.recorder: Recorder | None = None
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:

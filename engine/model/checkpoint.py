@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,22 +137,30 @@ class Checkpoint:
     def router_name(self, layer: int) -> str:
         return router_name(self.spec, layer, self.layout)
 
-    def read_experts(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Copy one MoE layer's routed experts, in either layout, into stacked ``w13`` [E, 2I, H] (gate rows
-        first, then up) and ``w2`` [E, H, I], converting to their dtype and device."""
+    def read_experts(self, layer: int, w13: torch.Tensor, w2: torch.Tensor,
+                     experts: Sequence[int] | None = None) -> None:
+        """Copy one MoE layer's routed experts, in either layout, into stacked ``w13`` [E', 2I, H] (gate rows
+        first, then up) and ``w2`` [E', H, I], converting to their dtype and device. ``experts`` picks
+        which experts, in order (E' of them; default every expert): an expert-parallel rank reads its own."""
         spec, inter = self.spec, self.spec.expert_intermediate
+        which = list(range(spec.n_experts)) if experts is None else [int(e) for e in experts]
         if self.layout == "fused":
             gate_up, down = fused_expert_names(spec, layer)
             got = dict(self.tensors([gate_up, down]))
-            w13.copy_(got[gate_up])
-            w2.copy_(got[down])
+            if experts is None:
+                w13.copy_(got[gate_up])
+                w2.copy_(got[down])
+            else:  # memory-mapped: only the picked experts' rows are read
+                for j, e in enumerate(which):
+                    w13[j] = got[gate_up][e]
+                    w2[j] = got[down][e]
             return
-        names = [list(expert_tensor_names(spec, layer, e)) for e in range(spec.n_experts)]
+        names = [list(expert_tensor_names(spec, layer, e)) for e in which]
         got = dict(self.tensors([n for trio in names for n in trio]))  # each file opened once per layer
-        for e, (gate, up, down) in enumerate(names):
-            w13[e, :inter] = got[gate]
-            w13[e, inter:] = got[up]
-            w2[e] = got[down]
+        for j, (gate, up, down) in enumerate(names):
+            w13[j, :inter] = got[gate]
+            w13[j, inter:] = got[up]
+            w2[j] = got[down]
 
     def fingerprint(self) -> str:
         """A hash of the config, the tensor index and the router weights (what decides routing).

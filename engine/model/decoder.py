@@ -10,6 +10,7 @@ Shapes: T tokens in the step, H hidden, E experts, K top-k, I expert width, S se
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from engine.sequences import Segment
 __all__ = ["KVCache", "LayerWeights", "MoEDecoder", "MoEStats", "RouteRecord", "Segment", "StepBatch", "rms_norm"]
 
 log = logging.getLogger(__name__)
+
+_CACHE_SERIALS = itertools.count(1)
 
 
 @dataclass
@@ -88,6 +91,7 @@ class KVCache:
     def __init__(self, spec: ModelSpec, n_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  initial_len: int = 256):
         self.spec, self.n_slots, self.max_len, self.dtype, self.device = spec, n_slots, max_len, dtype, device
+        self.serial = next(_CACHE_SERIALS)  # expert-parallel ranks keep one cache per cache of rank 0
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -148,7 +152,8 @@ class MoEDecoder:
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 expert_device: torch.device | None = None, weight_dtype: torch.dtype | None = None):
+                 expert_device: torch.device | None = None, weight_dtype: torch.dtype | None = None,
+                 load_experts: bool = True):
         self.spec: ModelSpec = ckpt.spec
         self.dtype = dtype
         self.weight_dtype = weight_dtype or dtype
@@ -158,6 +163,10 @@ class MoEDecoder:
         self.expert_device = expert_device or device
         self.stats = MoEStats()  # tokens routed per expert, counted once per step and MoE layer
         self.hybrid = None  # engine.moe.experts.HybridExperts when the config is not the plain one
+        # engine.parallel.ep.EPExperts under expert parallelism: this rank's experts (then the routed
+        # experts are not loaded here, ``load_experts=False``), dispatch and combine.
+        self.ep = None
+        self.load_experts = load_experts
         self._moe_index = {layer: i for i, layer in enumerate(ckpt.spec.moe_layers)}
         # Plans of the plain engine: every routed expert on its loaded copy (see reset_plans).
         self._plain = ResidencyController(PlanSettings(len(ckpt.spec.moe_layers), ckpt.spec.n_experts))
@@ -200,18 +209,23 @@ class MoEDecoder:
             lw.mlp_w13, lw.mlp_w2 = torch.cat([g, u]).contiguous(), d
             return lw
         (lw.router,) = load([ckpt.router_name(i)], self.dtype)  # routing is computed in the compute dtype
-        w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.weight_dtype,
-                          device=self.expert_device)
-        w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.weight_dtype,
-                         device=self.expert_device)
-        ckpt.read_experts(i, w13, w2)
-        lw.w13, lw.w2 = w13, w2
+        if self.load_experts:
+            lw.w13, lw.w2 = self._load_experts(ckpt, i)
         if spec.shared_expert_intermediate:
             s = p + "mlp.shared_expert."
             g, u, d = load([s + "gate_proj.weight", s + "up_proj.weight", s + "down_proj.weight"])
             (sg,) = load([p + "mlp.shared_expert_gate.weight"], self.dtype)
             lw.shared_w13, lw.shared_w2, lw.shared_gate = torch.cat([g, u]).contiguous(), d, sg
         return lw
+
+    def _load_experts(self, ckpt: Checkpoint, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.spec
+        w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.weight_dtype,
+                          device=self.expert_device)
+        w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.weight_dtype,
+                         device=self.expert_device)
+        ckpt.read_experts(i, w13, w2)
+        return w13, w2
 
     @property
     def controller(self) -> ResidencyController:
@@ -234,18 +248,23 @@ class MoEDecoder:
             self.hybrid.observe(counts, n_tokens)
         else:
             ctl.end_step(counts, n_tokens)
+        if self.ep is not None:
+            self.ep.stats.end_step()
 
     def weight_bytes(self) -> int:
         ts = [self.embed, self.final_norm] + ([] if self.spec.tie_word_embeddings else [self.lm_head])
         for lw in self.layers:
             ts += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in ts)
+        local = self.ep.weight_bytes() if self.ep is not None else 0  # this rank's experts
+        return sum(t.numel() * t.element_size() for t in ts) + local
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """Run one step; returns fp32 logits [S', V] for the segments with ``wants_logits``, in order."""
         spec = self.spec
+        if self.ep is not None:
+            self.ep.before_forward(batch, cache)  # rank 0: every other rank runs this step too
         x = self.embed.index_select(0, batch.token_ids).to(self.dtype)  # [T, H]
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype)  # [T, d]
         plan = _AttentionPlan(batch, cache, cache.device)
@@ -254,7 +273,7 @@ class MoEDecoder:
         h = self._norm(x, self.layers[0].ln1)
         for i, lw in enumerate(self.layers):
             h = self._add_norm(x, self._attention(i, lw, h, cos, sin, plan, cache), lw.ln2)
-            y = self._moe(i, lw, h) if lw.w13 is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
+            y = self._moe(i, lw, h) if lw.router is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
             if i + 1 < len(self.layers):
                 h = self._add_norm(x, y, self.layers[i + 1].ln1)
             else:
@@ -397,54 +416,63 @@ class MoEDecoder:
     def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """One MoE layer: route, plan (the controller), count, then run the experts as planned; the
         paths below differ only in the kernel they call."""
-        spec = self.spec
-        t = h.shape[0]
         raw_w, raw_ids = self._route_model(lw, h)
         if self.record_routes:
             model_w, model_ids = self._model_route(raw_w, raw_ids)
             self.routes.append(RouteRecord(i, model_ids, model_w))
         weights, ids = self._prune(raw_w, raw_ids)
-        decision = self.controller.plan_layer(self._moe_index[i], ids.cpu().numpy())
+        ids_host = ids.cpu().numpy()
+        decision = self.controller.plan_layer(self._moe_index[i], ids_host)
         self.stats.add(i, decision.counts)
         if self.hybrid is not None:
             out = self.hybrid.forward(i, h, weights, ids, decision)
-        elif self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * spec.n_experts:
-            # Few tokens per expert on average: one call for every expert, all threads. Beyond (long
-            # prompt chunks), each expert's product runs on PyTorch's GEMM below, on widened weights.
-            out = kernels.moe(h, lw.w13, lw.w2, ids, weights)
-        elif t == 1 and self.device.type == "cpu":
-            out = self._moe_one_token(lw, h, weights, ids)
+        elif self.ep is not None:  # this rank's experts on the pairs placed here, then the ranks' sum
+            out = self.ep.forward(self._moe_index[i], h, weights, ids_host, self.run_experts)
         else:
-            out = self._moe_grouped(lw, h, weights, ids, decision.counts)
+            out = self.run_experts(lw.w13, lw.w2, h, weights, ids, decision.counts)
         if lw.shared_w13 is not None:
             shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
             out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
         return out
 
-    def _moe_one_token(self, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
+    def run_experts(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+        """Stacked experts ``w13`` [E', 2I, H] / ``w2`` [E', H, I] on the routes ``ids`` [T, K] (indices into
+        them; -1 skips a slot) with ``counts[e]`` pairs each: the gate-weighted sum per token [T, H]."""
+        t, k = ids.shape
+        pairs = int(counts.sum())
+        if self.native and pairs <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * w13.shape[0]:
+            # Few tokens per expert on average: one call for every expert, all threads. Beyond (long
+            # prompt chunks), each expert's product runs on PyTorch's GEMM below, on widened weights.
+            return kernels.moe(h, w13, w2, ids, weights)
+        if t == 1 and pairs == k and self.device.type == "cpu":
+            return self._moe_one_token(w13, w2, h, weights, ids)
+        return self._moe_grouped(w13, w2, h, weights, ids, counts)
+
+    def _moe_one_token(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> torch.Tensor:
         """One token (batch-1 decode): its k experts in turn, no grouping machinery (a third fewer ops)."""
         inter = self.spec.expert_intermediate
         out = None
         for e, g in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
-            gu = F.linear(h, lw.w13[e])  # [1, 2I]
-            y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.w2[e])  # [1, H]
+            gu = F.linear(h, w13[e])  # [1, 2I]
+            y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[e])  # [1, H]
             out = y.mul_(g) if out is None else out.add_(y, alpha=g)
         return out
 
-    def _moe_grouped(self, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     counts: np.ndarray) -> torch.Tensor:
+    def _moe_grouped(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
         """Every expert with tokens runs them as one product (coalesced); tokens grouped by expert."""
         g = Grouped(h, ids, counts)
         ys = torch.empty_like(g.xs)
         inter = self.spec.expert_intermediate
         for e, seg in g.segment.items():
-            gu = self._linear(g.xs[seg], lw.w13[e])  # [n, 2I]
+            gu = self._linear(g.xs[seg], w13[e])  # [n, 2I]
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
             if self.native:
-                ys[seg] = kernels.linear(act, lw.w2[e])
+                ys[seg] = kernels.linear(act, w2[e])
             else:
-                torch.mm(act, lw.w2[e].t(), out=ys[seg])  # [n, H]
+                torch.mm(act, w2[e].t(), out=ys[seg])  # [n, H]
         return g.combine(ys, weights)
 
 
