@@ -343,6 +343,12 @@ def build_space(
             if k.name.endswith("_threads") and k.search is not None and k.search.high is not None:
                 candidates[key] = dataclasses.replace(
                     k, search=dataclasses.replace(k.search, high=min(k.search.high, cores)))
+    gpus = int((hardware.get("gpu") or {}).get("count") or 0)
+    ep = candidates.get("parallel.ep_size")
+    if ep is not None and ep.search is not None and ep.search.choices is not None:
+        # More ranks than GPUs is a config error on CUDA (one GPU a rank): search the counts this machine has.
+        fits = tuple(c for c in ep.search.choices if c <= max(gpus, 1))
+        candidates["parallel.ep_size"] = dataclasses.replace(ep, search=dataclasses.replace(ep.search, choices=fits))
     params = [param_from_knob(k, tuple(c for c in when_of.get(k.key, ()) if c.parent in candidates))
               for k in candidates.values()]
     space = SearchSpace(tuple(_parents_first(params)), fixed, omitted)

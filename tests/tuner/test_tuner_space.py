@@ -172,3 +172,14 @@ def test_baselines_are_points_of_the_space_or_left_out():
     kept = baseline_points(space, BaselineContext(hardware=HW), odd)
     assert [(b.name, v["scheduler.max_batch_seqs"]) for b, v in kept] == [("per-model", 2)]
     assert len({b.name for b in BASELINES}) == len(BASELINES)
+
+
+@pytest.mark.parametrize(("gpus", "choices"), [(0, None), (1, None), (2, [1, 2]), (3, [1, 2]), (8, [1, 2, 4, 8])])
+def test_expert_parallel_ranks_are_searched_up_to_the_gpus_there_are(gpus, choices):
+    hw = {**HW, "gpu": {"name": "NVIDIA H200", "count": gpus} if gpus else None}
+    space = build_space(hw)
+    if choices is None:  # the ranks would share one memory: inert, and its children out with it
+        assert "parallel.ep_size" in space.omitted and "parallel.ep_placement" not in space.keys
+    else:
+        assert list(space.param("parallel.ep_size").choices) == choices
+        assert "parallel.ep_placement" in space.keys
