@@ -19,7 +19,7 @@ import torch
 from engine.calibrate import cpu_compute_dtype
 from engine.config import ConfigError, EngineConfig
 from engine.model.checkpoint import Checkpoint
-from engine.model.decoder import KVCache, MoEDecoder, Segment, StepBatch
+from engine.model.decoder import KVCache, MoEDecoder, Segment, StepBatch, kv_dtype
 from engine.model.maker import resolve_model
 from engine.scheduler import plan_step
 
@@ -216,7 +216,8 @@ class Engine:
         cache_device = self.device
         if self.device.type == "cuda" and self.config.execution.decode_attention == "host":
             cache_device = torch.device("cpu")
-        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, cache_device)
+        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens,
+                             kv_dtype(self.config.runtime.kv_dtype, self.dtype), cache_device)
         self.free_slots = list(range(s.max_batch_seqs))
         heapq.heapify(self.free_slots)
         self.running: list[Sequence] = []

@@ -74,9 +74,8 @@ def _product(x: torch.Tensor, w: Any, native: bool) -> torch.Tensor:
     """``x @ w.T`` for a float tensor or a quant.QWeight; ``native`` allows moetune's CPU kernels."""
     if isinstance(w, torch.Tensor):
         return kernels.linear(x, w)
-    if native and w.precision == "int8" and kernels.reads_int8(w.data, x):
-        return kernels.linear_int8(x, w.data, w.scales)
-    return _quant().qlinear(x, w)
+    y = kernels.linear_q(x, w) if native and x.dtype == torch.float32 and w.device.type == "cpu" else None
+    return _quant().qlinear(x, w) if y is None else y  # None: PyTorch's path is the faster one here
 
 
 def _record_stream(v: ExpertVersion, stream: torch.cuda.Stream) -> None:
@@ -106,8 +105,9 @@ def expert_nbytes(hidden: int, inter: int, precision: str, group_size: int) -> i
 
 
 def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: torch.device, group_size: int,
-                 pin: bool = False, non_blocking: bool = False) -> ExpertVersion:
-    """Build a version of an expert in ``precision`` on ``device`` from float weights."""
+                 pin: bool = False, non_blocking: bool = False, native: bool = False) -> ExpertVersion:
+    """Build a version of an expert in ``precision`` on ``device`` from float weights (``native``: int4 in
+    the layout of moetune's CPU kernels)."""
     if precision in _FLOAT:
         a = w13.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
         b = w2.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
@@ -115,8 +115,8 @@ def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: to
             a, b = a.pin_memory(), b.pin_memory()
         return ExpertVersion(a, b, precision, device, a.numel() * a.element_size() + b.numel() * b.element_size())
     quant = _quant()
-    qa = quant.quantize(w13.float(), precision, group_size=group_size).to(device)
-    qb = quant.quantize(w2.float(), precision, group_size=group_size).to(device)
+    qa = quant.quantize(w13.float(), precision, group_size=group_size, native=native).to(device)
+    qb = quant.quantize(w2.float(), precision, group_size=group_size, native=native).to(device)
     return ExpertVersion(qa, qb, precision, device, qa.nbytes() + qb.nbytes())
 
 
@@ -257,7 +257,7 @@ class HybridExperts:
                 v = make_version(host.w13, host.w2, precision, self.device, self.group)
             self.copy_stream.synchronize()
             return v
-        return make_version(host.w13, host.w2, precision, self.device, self.group)
+        return make_version(host.w13, host.w2, precision, self.device, self.group, native=self.native)
 
     def _apply(self, plan: ResidencyPlan) -> None:
         """Make the fast tier match ``plan`` now (start-up)."""
@@ -435,10 +435,9 @@ class HybridExperts:
 
     def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Every routed expert in one native call when all are resident on the host in one precision
-        (bf16/fp16, or int8 with row scales) without replicas; None when the general path must run
-        (then long prompt chunks also run expert by expert on PyTorch's GEMM)."""
-        if (not self.native or h.device.type != "cpu" or self.state.cache is not None
-                or ids.numel() > kernels.MAX_NATIVE_TOKENS_PER_EXPERT * self.spec.n_experts):
+        (bf16/fp16, int8 with row scales, int4 in the native layout) without replicas and the measured
+        path for this many tokens per expert is native; None when the general path must run."""
+        if not self.native or h.device.type != "cpu" or self.state.cache is not None:
             return None
         hs = self.handles[layer]
         routed: dict[int, int] = {}
@@ -455,23 +454,17 @@ class HybridExperts:
                 return None
             versions[e] = v
         precisions = {v.precision for v in versions.values()}
-        if len(precisions) > 1 or not precisions <= {"bf16", "fp16", "int8"}:
+        if (len(precisions) != 1 or not precisions <= {"bf16", "fp16", "int8", "int4"}
+                or not kernels.fused_moe(next(iter(precisions)), ids.numel() / self.spec.n_experts)
+                or any(v.precision == "int4" and v.w13.layout != "int4_native" for v in versions.values())):
             return None
         n = self.spec.n_experts
         resident = [v for e, v in versions.items() if v is hs[e].fast]
         self.stats.expert_calls_host += on_host
         self.stats.expert_calls_fast_hi += sum(1 for v in resident if v.precision == self.hi)
         self.stats.expert_calls_fast_lo += sum(1 for v in resident if v.precision != self.hi)
-        gates = weights.float().contiguous()
-        if precisions == {"int8"}:
-            def col(attr: str, part: str) -> list[torch.Tensor | None]:
-                return [getattr(getattr(versions[e], attr), part) if e in versions else None for e in range(n)]
-
-            return kernels.ops().moe_list_int8(h.contiguous(), col("w13", "data"), col("w13", "scales"),
-                                               col("w2", "data"), col("w2", "scales"), ids.contiguous(), gates)
-        return kernels.ops().moe_list(h.contiguous(), [versions[e].w13 if e in versions else None for e in range(n)],
-                                      [versions[e].w2 if e in versions else None for e in range(n)],
-                                      ids.contiguous(), gates)
+        return kernels.moe_experts(h, [versions[e].w13 if e in versions else None for e in range(n)],
+                                   [versions[e].w2 if e in versions else None for e in range(n)], ids, weights)
 
     def _forward_tokens(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
