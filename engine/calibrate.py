@@ -162,6 +162,7 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
+_KERNEL_PATHS_VERSION = 1  # of the measurement below: a change re-measures
 _KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
 
 
@@ -174,7 +175,7 @@ def kernel_paths() -> dict[str, Any]:
     if kernels.load() is None:
         raise RuntimeError(f"kernel paths: the native kernels are unavailable ({kernels.status()['error']})")
     build = Path(str(kernels.status()["library"])).parent.name
-    got = cached(f"kernel_paths:{build}", _measure_kernel_paths)
+    got = cached(f"kernel_paths:v{_KERNEL_PATHS_VERSION}:{build}", _measure_kernel_paths)
     log.info("kernel paths on this CPU: %s", got["table"])
     return got
 
@@ -190,10 +191,10 @@ def _measure_kernel_paths() -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(n, k, generator=g) * k ** -0.5 for _ in range(_KERNEL_POOL)]
     half = {"bf16": [w.bfloat16() for w in base], "fp16": [w.half() for w in base]}
+    full = base[:4]  # fp32 weights (PyTorch's own fp32 GEMM: the engine without its kernels)
     int8 = [quant.quantize(w, "int8") for w in base]
     int4_native = [quant.quantize(w, "int4", group, native=True) for w in base]
     int4_torch = [quant.quantize(w, "int4", group) for w in base]
-    del base
 
     def runner(prec: str, p: str):
         if prec in half:
@@ -211,6 +212,11 @@ def _measure_kernel_paths() -> dict[str, Any]:
     amx = kernels.amx_present()
     cands = {prec: {p: runner(prec, p) for p in kernels.candidate_paths(prec, runnable, amx)}
              for prec in kernels.PRECISIONS}
+    # Timed for the compute roofline only (not candidates): PyTorch's fp32 GEMM, and its bf16 products
+    # where they are not already a candidate (without AMX).
+    cands["fp32"] = {"torch:fp32": lambda x, xb, i: F.linear(x, full[i % len(full)])}
+    if "torch:bf16" not in cands["bf16"]:
+        cands["bf16"]["torch:bf16"] = runner("bf16", "torch:bf16")
     times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
     t0 = time.perf_counter()
     for n_tok in kernels.TOKEN_POINTS:
@@ -234,5 +240,7 @@ def _measure_kernel_paths() -> dict[str, Any]:
     peaks = {prec: {p: max(flop[t] / v for t, v in ts.items()) / 1e9 for p, ts in by.items()}
              for prec, by in times.items()}
     log.info("measured the kernel paths in %.1f s", time.perf_counter() - t0)
+    choice = {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
+              for prec, by in times.items() if prec in kernels.PRECISIONS}
     return {"shape": [n, k], "group_size": group, "points": list(kernels.TOKEN_POINTS), "threads": torch.get_num_threads(),
-            "times_s": times, "peak_gflops": peaks, "table": kernels.choose_paths(times)}
+            "times_s": times, "peak_gflops": peaks, "table": kernels.choose_paths(choice)}

@@ -153,12 +153,13 @@ class Engine:
 
     @property
     def kernels_label(self) -> str:
-        """Which products run: "native (avx512)" (engine.kernels) or "torch"."""
+        """Which products run: "torch", or "native (<ISA>; <path per precision and token count>)"
+        (:func:`engine.kernels.dispatch_summary`)."""
         if not self.model.native:
             return "torch"
         from engine import kernels
 
-        return f"native ({kernels.status()['isa']})"
+        return f"native ({kernels.dispatch_summary()})"
 
     def _expert_device(self, config: EngineConfig) -> torch.device:
         # With a GPU and partial residency, all experts load to host memory and the plan copies some up.
