@@ -78,6 +78,13 @@ def cpu_compute_dtype(stored: torch.dtype, hidden: int, inter: int) -> torch.dty
     """
     if stored == torch.float32:
         return stored
+    got = compute_dtype_measurement(stored, hidden, inter)
+    log.info("compute dtype on this CPU for %s weights: %s (%s)", stored, got["pick"], got["times_s"])
+    return torch.float32 if got["pick"] == "torch.float32" else stored
+
+
+def compute_dtype_measurement(stored: torch.dtype, hidden: int, inter: int) -> dict[str, Any]:
+    """The timings behind :func:`cpu_compute_dtype`: ``times_s`` per token count and dtype, and ``pick``."""
 
     def measure() -> dict[str, Any]:
         res = {}
@@ -86,9 +93,7 @@ def cpu_compute_dtype(stored: torch.dtype, hidden: int, inter: int) -> torch.dty
         half_ok = all(r[str(stored)] <= r[str(torch.float32)] for r in res.values())
         return {"times_s": res, "pick": str(stored) if half_ok else "torch.float32"}
 
-    got = cached(f"compute_dtype:{stored}:{hidden}x{inter}", measure)
-    log.info("compute dtype on this CPU for %s weights: %s (%s)", stored, got["pick"], got["times_s"])
-    return torch.float32 if got["pick"] == "torch.float32" else stored
+    return cached(f"compute_dtype:{stored}:{hidden}x{inter}", measure)
 
 
 def memory_bandwidth_gbps() -> float:

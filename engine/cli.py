@@ -1,4 +1,4 @@
-"""``engine``: make models, generate, replay workloads, benchmark, list knobs.
+"""``engine``: check the machine, make models, generate, replay workloads, benchmark, list knobs.
 
 Every measuring command takes ``--json``: a readable table first, then one JSON object as the last
 line of stdout. Bad input is one line on stderr and exit status 2.
@@ -72,6 +72,26 @@ def _warn_if_tuned_elsewhere(path: str, model: str) -> None:
               f"({(data.get('hardware') or {}).get('cpu_model')})", file=sys.stderr)
 
 
+def _provenance(engine) -> dict[str, Any]:
+    """Which machine, software and path produced a result: added to every ``--json`` object."""
+    from engine.hwinfo import hardware, software
+
+    return {"hardware": hardware(), "software": software(), "device": str(engine.device),
+            "compute_dtype": str(engine.dtype).replace("torch.", ""),
+            "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
+            "config_hash": engine.config.config_hash()}
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from engine.doctor import diagnose, format_report
+
+    report = diagnose()
+    print(format_report(report))
+    if args.json:
+        print(json.dumps(report))
+    return 1 if report["problems"] else 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from engine.model.maker import make_model
 
@@ -95,8 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t
     print(" ".join(map(str, out)))
     if args.json:
-        print(json.dumps({"prompt_ids": prompt, "output_ids": out, "seconds": dt,
-                          "compute_dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device)}))
+        print(json.dumps({"prompt_ids": prompt, "output_ids": out, "seconds": dt, **_provenance(engine)}))
     return 0
 
 
@@ -166,7 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{row['bytes_per_decode_step'] / 1e6:.0f} MB and {row['flop_per_decode_step'] / 1e9:.2f} GFLOP per step "
           f"at batch {row['batch']} (KV cache {row['kv_bytes_per_decode_step'] / 1e6:.1f} MB, {res['kv_dtype']})")
     if args.json:
-        print(json.dumps(res))
+        print(json.dumps({**res, "provenance": _provenance(engine)}))
     return 0
 
 
@@ -190,7 +209,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
           + (f"   perplexity {res['perplexity']:.2f} (reference {res['reference_perplexity']:.2f})"
              if "perplexity" in res else ""))
     if args.json:
-        print(json.dumps(res))
+        print(json.dumps({**res, "provenance": _provenance(engine)}))
     return 0
 
 
@@ -214,7 +233,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                  {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "peak_rss_gib": ".2f",
                   "fast_tier_expert_gib": ".3f", "top1_agreement": ".3f", "mean_kl": ".2e"}))
     if args.json:
-        print(json.dumps(res))
+        print(json.dumps({**res, "provenance": _provenance(engine)}))
     return 0
 
 
@@ -243,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("doctor", help="what this machine gives the engine: ISA, kernels, dtype, CUDA, NVML "
+                                      "(exit 1 when something is broken)")
+    d.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    d.set_defaults(fn=cmd_doctor)
 
     m = sub.add_parser("make-model", help="write a random-weight checkpoint in the Hugging Face layout")
     m.add_argument("--arch", required=True, choices=ARCHS)

@@ -26,6 +26,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The CPU features that decide the engine's paths (kernels, compute dtype), as /proc/cpuinfo names them.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as fh:
@@ -45,7 +50,7 @@ def hardware() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "mem_total_bytes": psutil.virtual_memory().total,
-        "cpu_features": sorted(f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))),
+        "cpu_features": sorted(f for f in flags if f in ISA_FLAGS or f.startswith("amx")),
         "gpu": None,
     }
     if torch.cuda.is_available():
@@ -65,4 +70,14 @@ def software() -> dict[str, str]:
             return "absent"
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
-            "cuda": torch.version.cuda or "none", "platform": platform.platform()}
+            "cuda": torch.version.cuda or "none", "platform": platform.platform(), "kernels": kernel_state()}
+
+
+def kernel_state() -> dict[str, Any]:
+    """Which native paths this process has: moetune's CPU kernels (state, ISA, error) and PyTorch's packed
+    int8/int4 kernels per device type; recorded in every result so it says which path produced it."""
+    from engine import kernels
+    from engine.moe import quant
+
+    st = kernels.status()
+    return {"cpu_kernels": st["state"], "isa": st["isa"], "error": st["error"], "quant": quant.kernel_report()}

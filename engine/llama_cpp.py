@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.model.arch import CheckpointError, expert_tensor_names, router_name
+from engine.model.arch import CheckpointError
 from engine.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str) -> Path:
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         layer = dict(ckpt.tensors([p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
                                    a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", a + "o_proj.weight",
-                                   a + "q_norm.weight", a + "k_norm.weight", router_name(spec, i)]))
+                                   a + "q_norm.weight", a + "k_norm.weight", ckpt.router_name(i)]))
         b = f"blk.{i}."
         put(b + "attn_norm.weight", layer[p + "input_layernorm.weight"], Q.F32)
         put(b + "ffn_norm.weight", layer[p + "post_attention_layernorm.weight"], Q.F32)
@@ -118,12 +118,15 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str) -> Path:
             put(b + dst + ".weight", layer[a + src + ".weight"], dense_q)
         put(b + "attn_q_norm.weight", layer[a + "q_norm.weight"], Q.F32)
         put(b + "attn_k_norm.weight", layer[a + "k_norm.weight"], Q.F32)
-        put(b + "ffn_gate_inp.weight", layer[router_name(spec, i)], Q.F32)
-        trios = [list(expert_tensor_names(spec, i, e)) for e in range(spec.n_experts)]
-        ex = dict(ckpt.tensors([n for trio in trios for n in trio]))
-        for j, dst in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
-            put(b + dst + ".weight", torch.stack([ex[trio[j]] for trio in trios]), expert_q)  # [E, out, in]
-        del ex
+        put(b + "ffn_gate_inp.weight", layer[ckpt.router_name(i)], Q.F32)
+        inter = spec.expert_intermediate
+        w13 = torch.empty(spec.n_experts, 2 * inter, spec.hidden_size, dtype=ckpt.dtype)
+        w2 = torch.empty(spec.n_experts, spec.hidden_size, inter, dtype=ckpt.dtype)
+        ckpt.read_experts(i, w13, w2)  # either checkpoint layout (per expert or fused)
+        put(b + "ffn_gate_exps.weight", w13[:, :inter], expert_q)  # [E, out, in]
+        put(b + "ffn_up_exps.weight", w13[:, inter:], expert_q)
+        put(b + "ffn_down_exps.weight", w2, expert_q)
+        del w13, w2
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -91,10 +91,15 @@ def pick_weight_dtype(choice: str, compute: torch.dtype, stored: torch.dtype, de
     if device.type != "cpu" or compute != torch.float32 or stored not in kernels.HALF_DTYPES or choice == "torch":
         return compute
     if kernels.load() is None:
+        st = kernels.status()
         if choice == "native":
             raise ConfigError(f"runtime.cpu_kernels='native': the kernels cannot be built here "
-                              f"({kernels.status()['error']}); use 'auto' or 'torch'")
-        return compute
+                              f"({st['error']}); use 'auto' or 'torch'")
+        if st["state"] == "broken":  # a compiler that fails is a bug to fix, not a reason to run at half speed
+            raise ConfigError(f"runtime.cpu_kernels='auto': the native kernels failed to build with "
+                              f"{st['compiler']} ({st['error']}); fix the build (see `engine doctor`) or "
+                              "pass --cpu-kernels torch")
+        return compute  # no compiler at all: PyTorch's products, and every result says so
     return stored
 
 
@@ -153,13 +158,21 @@ class Engine:
 
     @property
     def kernels_label(self) -> str:
-        """Which products run: "torch", or "native (<ISA>; <path per precision and token count>)"
-        (:func:`engine.kernels.dispatch_summary`)."""
-        if not self.model.native:
-            return "torch"
+        """Which products run and why: "native (<ISA>; <path per precision and token count>)"
+        (:func:`engine.kernels.dispatch_summary`) or "torch (<reason>)"."""
         from engine import kernels
 
-        return f"native ({kernels.dispatch_summary()})"
+        if self.model.native:
+            return f"native ({kernels.dispatch_summary()})"
+        if self.device.type != "cpu":
+            return f"torch ({self.device.type})"
+        if self.config.runtime.cpu_kernels == "torch":
+            return "torch (runtime.cpu_kernels=torch)"
+        if self.weight_dtype == self.ckpt.dtype == self.dtype:
+            return f"torch ({str(self.dtype).replace('torch.', '')} weights as stored)"
+        if self.dtype != torch.float32:
+            return f"torch ({str(self.dtype).replace('torch.', '')} compute)"
+        return f"torch (no native kernels: {kernels.status()['error']})"
 
     def _expert_device(self, config: EngineConfig) -> torch.device:
         # With a GPU and partial residency, all experts load to host memory and the plan copies some up.

@@ -3,8 +3,10 @@
 ``cpu_kernels.cpp`` is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``)
 against the installed PyTorch, for this CPU (``-march=native``), and kept in the cache directory
 under a key of the source, PyTorch, compiler and CPU flags; later processes load it in milliseconds.
-Without a compiler, or where the build fails, :func:`load` returns None with the reason in
-:func:`status`, and the engine widens weights to fp32 and uses PyTorch's products, as before.
+Where they cannot be had, :func:`load` returns None with the reason in :func:`status`, which tells
+the two cases apart: no C++ compiler at all (``missing``: the engine may widen weights to fp32 and use
+PyTorch's products, and says so in every result) and a compiler whose build or load fails (``broken``:
+a bug, which the engine refuses to paper over; see ``runtime.cpu_kernels``).
 
 One library holds the kernels for several instruction sets (scalar, AVX2, AVX-VNNI, AVX-512,
 AVX512_VNNI, AVX512_BF16; see the source's header); the library picks the best one this CPU runs
@@ -115,8 +117,9 @@ def load():
         if "ops" in _state:
             return _state["ops"]
         ops = None
+        cxx = _compiler()
+        _state["compiler"] = shutil.which(cxx) if cxx else None
         try:
-            cxx = _compiler()
             if cxx is None:
                 raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
             lib = _build(cxx)
@@ -124,10 +127,13 @@ def load():
             ops = torch.ops.moetune
             _state.update(library=str(lib), isa=ops.isa())
             log.info("moetune CPU kernels: %s (%s)", lib, _state["isa"])
-        except Exception as e:  # no compiler, an old PyTorch, a foreign platform: the engine falls back
+        except Exception as e:  # no compiler, a failed build, an old PyTorch, a foreign platform
             _state["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
-            log.warning("moetune's native CPU kernels are unavailable (%s); weights widen to fp32 instead",
-                        _state["error"])
+            if cxx is None:
+                log.warning("moetune's native CPU kernels are unavailable (%s); weights widen to fp32 instead",
+                            _state["error"])
+            else:
+                log.error("moetune's native CPU kernels failed to build or load with %s: %s", cxx, _state["error"])
         _state["ops"] = ops
         return ops
 
@@ -138,10 +144,13 @@ def ops():
 
 
 def status() -> dict[str, object]:
-    """What :func:`load` found: available, isa, library, error."""
+    """What :func:`load` found: available, isa, library, compiler, error, and ``state``: "available",
+    "missing" (no C++ compiler on this machine) or "broken" (a compiler is there; the build or load failed)."""
     load()
-    return {"available": _state["ops"] is not None, "isa": _state.get("isa"), "library": _state.get("library"),
-            "error": _state.get("error")}
+    available = _state["ops"] is not None
+    state = "available" if available else ("missing" if _state.get("compiler") is None else "broken")
+    return {"available": available, "state": state, "isa": _state.get("isa"), "library": _state.get("library"),
+            "compiler": _state.get("compiler"), "error": _state.get("error")}
 
 
 def reads_natively(w: torch.Tensor, x: torch.Tensor) -> bool:

@@ -14,6 +14,11 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+#: How a checkpoint stores routed experts: one tensor per expert and projection (the Hub's layout, which
+#: transformers 4 and 5 write by default), or stacked per layer as transformers 5 holds them in memory
+#: (``save_pretrained(..., save_original_format=False)``): ``mlp.experts.gate_up_proj`` [E, 2I, H] with
+#: the gate rows first, and ``mlp.experts.down_proj`` [E, H, I].
+LAYOUTS = ("per_expert", "fused")
 
 
 class CheckpointError(ValueError):
@@ -136,8 +141,48 @@ def _need(cfg: dict[str, Any], key: str, source: str, kind: type = int) -> Any:
     return value
 
 
+def _need_one(cfg: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
+    """A positive integer stored under any of ``keys`` (the spellings of different transformers versions);
+    two spellings present with different values are refused."""
+    present = [k for k in keys if cfg.get(k) is not None]
+    if not present:
+        raise CheckpointError(f"{source}: missing field '{keys[0]}'"
+                              + (f" (or {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else ""))
+    values = {k: _need(cfg, k, source) for k in present}
+    if len(set(values.values())) > 1:
+        a, b = present[:2]
+        raise CheckpointError(f"{source}: field '{a}'={values[a]!r} disagrees with '{b}'={values[b]!r}")
+    return values[present[0]]
+
+
+def _rope(cfg: dict[str, Any], arch: str, source: str) -> float:
+    """RoPE base from transformers 5's ``rope_parameters`` (flat, or per attention type) or transformers 4's
+    ``rope_theta`` / ``rope_scaling``; only default (unscaled) RoPE is supported."""
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: field 'rope_parameters'={rope!r}: expected an object")
+    if rope and "rope_theta" not in rope and "rope_type" not in rope:  # keyed by layer type
+        kinds = {k: v for k, v in rope.items() if isinstance(v, dict)}
+        if len({json.dumps(v, sort_keys=True) for v in kinds.values()}) > 1:
+            raise CheckpointError(f"{source}: field 'rope_parameters' differs between layer types "
+                                  f"({', '.join(kinds)}): not supported")
+        rope = next(iter(kinds.values()), {})
+    rope_scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(rope_scaling, dict):
+        raise CheckpointError(f"{source}: field 'rope_scaling'={rope_scaling!r}: expected an object")
+    rope_type = rope.get("rope_type") or rope_scaling.get("rope_type") or rope_scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise CheckpointError(f"{source}: field 'rope_type'={rope_type!r}: only default RoPE is supported")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0 if arch == "olmoe" else 1e6))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise CheckpointError(f"{source}: field 'rope_theta'={theta!r}: expected a positive number")
+    return float(theta)
+
+
 def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    """Normalise a Hugging Face ``config.json`` dict of one of the four families."""
+    """Normalise a Hugging Face ``config.json`` dict of one of the four families, as transformers 4 or 5
+    writes it (``num_experts`` / ``num_local_experts``, ``rope_theta`` / ``rope_parameters``,
+    ``torch_dtype`` / ``dtype``: the tensors' own dtypes are what the engine reads)."""
     arch = cfg.get("model_type")
     if arch not in ARCHS:
         raise CheckpointError(
@@ -150,21 +195,16 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     if n_heads % n_kv:
         raise CheckpointError(
             f"{source}: field 'num_key_value_heads'={n_kv}: does not divide num_attention_heads={n_heads}")
-    if arch == "mixtral":
-        n_experts = _need(cfg, "num_local_experts", source)
-        expert_inter = _need(cfg, "intermediate_size", source)
-    else:
-        n_experts = _need(cfg, "num_experts", source)
-        expert_inter = _need(cfg, "moe_intermediate_size" if arch != "olmoe" else "intermediate_size", source)
+    # transformers 4 writes num_experts for the Qwen families and OLMoE; transformers 5 may write
+    # num_local_experts for all of them (Mixtral's own spelling).
+    n_experts = _need_one(cfg, ("num_local_experts",) if arch == "mixtral" else ("num_experts", "num_local_experts"),
+                          source)
+    expert_inter = _need(cfg, "moe_intermediate_size" if arch in ("qwen2_moe", "qwen3_moe") else "intermediate_size",
+                         source)
     top_k = _need(cfg, "num_experts_per_tok", source)
     if top_k > n_experts:
         raise CheckpointError(f"{source}: field 'num_experts_per_tok'={top_k}: more than the {n_experts} experts")
-    rope = cfg.get("rope_parameters") or {}
-    rope_scaling = cfg.get("rope_scaling")
-    rope_type = rope.get("rope_type") or (rope_scaling or {}).get("rope_type") or (rope_scaling or {}).get("type")
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"{source}: field 'rope_type'={rope_type!r}: only default RoPE is supported")
-    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0 if arch == "olmoe" else 1e6))
+    rope_theta = _rope(cfg, arch, source)
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{source}: field 'hidden_act'={cfg.get('hidden_act')!r}: only silu is supported")
     if arch in ("qwen2_moe", "qwen3_moe"):
@@ -183,6 +223,8 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         # Qwen2-MoE's window applies to a per-layer subset that differs between transformers versions
         # (max_window_layers, layer_types); no released Qwen2-MoE checkpoint turns it on.
         raise CheckpointError(f"{source}: field 'use_sliding_window'=true: not supported for {arch}")
+    if sliding is not None and (isinstance(sliding, bool) or not isinstance(sliding, int) or sliding <= 0):
+        raise CheckpointError(f"{source}: field 'sliding_window'={sliding!r}: expected a positive integer or null")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return ModelSpec(
@@ -199,7 +241,7 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
         # Mixtral always renormalises its top-k weights; the others say so in the config.
         norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch != "olmoe" else 1e-5)),
-        rope_theta=float(rope_theta),
+        rope_theta=rope_theta,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dense_intermediate=int(dense_inter or 0),
         shared_expert_intermediate=int(cfg.get("shared_expert_intermediate_size", 0) or 0)
@@ -217,8 +259,8 @@ def spec_from_config(cfg: dict[str, Any], source: str = "config.json") -> ModelS
     )
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the Hugging Face layout with its shape."""
+def expected_tensors(spec: ModelSpec, layout: str = "per_expert") -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the Hugging Face layout (routed experts stored as ``layout``) with its shape."""
     h, v = spec.hidden_size, spec.vocab_size
     t: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
@@ -249,9 +291,12 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                                 ("down_proj", (h, spec.dense_intermediate))):
                 t[f"{p}mlp.{name}.weight"] = shape
             continue
-        t[router_name(spec, i)] = (spec.n_experts, h)
-        for e in range(spec.n_experts):
-            t.update(expert_tensor_names(spec, i, e))
+        t[router_name(spec, i, layout)] = (spec.n_experts, h)
+        if layout == "fused":
+            t.update(fused_expert_names(spec, i))
+        else:
+            for e in range(spec.n_experts):
+                t.update(expert_tensor_names(spec, i, e))
         if spec.shared_expert_intermediate:
             s = spec.shared_expert_intermediate
             t[p + "mlp.shared_expert.gate_proj.weight"] = (s, h)
@@ -261,9 +306,16 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return t
 
 
-def router_name(spec: ModelSpec, layer: int) -> str:
-    block = "block_sparse_moe" if spec.arch == "mixtral" else "mlp"
+def router_name(spec: ModelSpec, layer: int, layout: str = "per_expert") -> str:
+    block = "block_sparse_moe" if spec.arch == "mixtral" and layout == "per_expert" else "mlp"
     return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def fused_expert_names(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
+    """Names of one layer's stacked expert tensors (gate+up, down) in the fused layout, with shapes."""
+    h, i, e = spec.hidden_size, spec.expert_intermediate, spec.n_experts
+    p = f"model.layers.{layer}.mlp.experts."
+    return {p + "gate_up_proj": (e, 2 * i, h), p + "down_proj": (e, h, i)}
 
 
 def expert_tensor_names(spec: ModelSpec, layer: int, expert: int) -> dict[str, tuple[int, ...]]:

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.model.arch import CheckpointError, ModelSpec, expected_tensors, read_config, router_name
+from engine.model.arch import (
+    CheckpointError,
+    ModelSpec,
+    expected_tensors,
+    expert_tensor_names,
+    fused_expert_names,
+    read_config,
+    router_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +54,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: not a model directory")
         self.config, self.spec = read_config(self.dir)
         self.entries = self._index()
+        self.layout = self._layout()
         self._check()
 
     # ---- discovery and validation (headers only, no tensor data read)
@@ -75,8 +84,18 @@ class Checkpoint:
                 entries[name] = TensorEntry(f, dtype, shape)
         return entries
 
+    def _layout(self) -> str:
+        """``fused`` where the first MoE layer's experts are stacked, else the Hub's ``per_expert``."""
+        if not self.spec.moe_layers:
+            return "per_expert"
+        first = self.spec.moe_layers[0]
+        if all(n in self.entries for n in fused_expert_names(self.spec, first)) and not any(
+                n in self.entries for n in expert_tensor_names(self.spec, first, 0)):
+            return "fused"
+        return "per_expert"  # missing tensors are then reported under the Hub's names
+
     def _check(self) -> None:
-        for name, shape in expected_tensors(self.spec).items():
+        for name, shape in expected_tensors(self.spec, self.layout).items():
             entry = self.entries.get(name)
             if entry is None:
                 raise CheckpointError(f"{self.dir}: missing tensor {name}")
@@ -115,6 +134,26 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return next(self.tensors([name]))[1]
 
+    def router_name(self, layer: int) -> str:
+        return router_name(self.spec, layer, self.layout)
+
+    def read_experts(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy one MoE layer's routed experts, in either layout, into stacked ``w13`` [E, 2I, H] (gate rows
+        first, then up) and ``w2`` [E, H, I], converting to their dtype and device."""
+        spec, inter = self.spec, self.spec.expert_intermediate
+        if self.layout == "fused":
+            gate_up, down = fused_expert_names(spec, layer)
+            got = dict(self.tensors([gate_up, down]))
+            w13.copy_(got[gate_up])
+            w2.copy_(got[down])
+            return
+        names = [list(expert_tensor_names(spec, layer, e)) for e in range(spec.n_experts)]
+        got = dict(self.tensors([n for trio in names for n in trio]))  # each file opened once per layer
+        for e, (gate, up, down) in enumerate(names):
+            w13[e, :inter] = got[gate]
+            w13[e, inter:] = got[up]
+            w2[e] = got[down]
+
     def fingerprint(self) -> str:
         """A hash of the config, the tensor index and the router weights (what decides routing).
 
@@ -124,7 +163,7 @@ class Checkpoint:
         for name in sorted(self.entries):
             e = self.entries[name]
             h.update(f"{name}:{e.dtype}:{e.shape}".encode())
-        routers = [router_name(self.spec, i) for i in self.spec.moe_layers]
+        routers = [self.router_name(i) for i in self.spec.moe_layers]
         for name, t in self.tensors(routers + ["model.embed_tokens.weight"]):
             if name == "model.embed_tokens.weight":
                 t = t[:64]  # a sample: the embedding can be hundreds of MB
@@ -133,6 +172,7 @@ class Checkpoint:
 
     def describe(self) -> dict[str, Any]:
         return {"path": str(self.dir), "arch": self.spec.arch, "dtype": str(self.dtype).replace("torch.", ""),
+                "layout": self.layout,
                 "params": self.spec.total_params(), "active_params_per_token": self.spec.active_params_per_token()}
 
 

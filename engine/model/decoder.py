@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.model.arch import ModelSpec, expert_tensor_names, router_name
+from engine.model.arch import ModelSpec
 from engine.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -243,19 +243,12 @@ class MoEDecoder:
             g, u, d = load([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"])
             lw.mlp_w13, lw.mlp_w2 = torch.cat([g, u]).contiguous(), d
             return lw
-        (lw.router,) = load([router_name(spec, i)], self.dtype)  # routing is computed in the compute dtype
+        (lw.router,) = load([ckpt.router_name(i)], self.dtype)  # routing is computed in the compute dtype
         w13 = torch.empty(spec.n_experts, 2 * spec.expert_intermediate, spec.hidden_size, dtype=self.weight_dtype,
                           device=self.expert_device)
         w2 = torch.empty(spec.n_experts, spec.hidden_size, spec.expert_intermediate, dtype=self.weight_dtype,
                          device=self.expert_device)
-        inter = spec.expert_intermediate
-        names = [list(expert_tensor_names(spec, i, e)) for e in range(spec.n_experts)]
-        got = dict(ckpt.tensors([n for trio in names for n in trio]))  # each file opened once per layer
-        for e, (gate, up, down) in enumerate(names):
-            w13[e, :inter] = got[gate]
-            w13[e, inter:] = got[up]
-            w2[e] = got[down]
-        del got
+        ckpt.read_experts(i, w13, w2)
         lw.w13, lw.w2 = w13, w2
         if spec.shared_expert_intermediate:
             s = p + "mlp.shared_expert."

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
+from playwright import sync_api
 from sqlalchemy import select
 
 from db.models import Study, Workload
@@ -33,10 +34,12 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 INSTALL = "apt-get install -y chromium chromium-driver && pip install playwright"
 
 
-sync_api = pytest.importorskip("playwright.sync_api", reason=f"the playwright package is not installed ({INSTALL})")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None:
-    pytest.skip(f"no Chromium on PATH ({INSTALL})", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _chromium(require_component):
+    require_component("Chromium", CHROMIUM is not None, INSTALL)
 
 
 def _free_port() -> int:

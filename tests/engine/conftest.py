@@ -115,7 +115,8 @@ class Oracle:
 
 @pytest.fixture(scope="session")
 def hf() -> Oracle:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra brings it
+
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return Oracle(transformers)

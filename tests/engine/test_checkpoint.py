@@ -256,8 +256,16 @@ def test_sharded_equals_unsharded(arch, make_ckpt):
     assert len(shards) >= 3
     assert sorted({sharded / f for f in index["weight_map"].values()}) == shards
     assert set(index["weight_map"]) == set(expected_tensors(spec_of(sharded)))
-    assert torch.equal(logits_of(single), logits_of(sharded))
-    assert Checkpoint(single).fingerprint() == Checkpoint(sharded).fingerprint()
+    a, b = Checkpoint(single), Checkpoint(sharded)
+    names = sorted(a.entries)
+    assert names == sorted(b.entries)
+    got = dict(b.tensors(names))  # yielded file by file: compare by name
+    for name, x in a.tensors(names):
+        assert torch.equal(x, got[name]), name  # the same bytes, wherever the shards put them
+    # Logits agree to float rounding, not bit for bit: MKL's fp32 GEMM picks its blocking by the
+    # weights' address, and the shards place tensors at other offsets (1.0e-7 measured on an AMD EPYC).
+    torch.testing.assert_close(logits_of(single), logits_of(sharded), rtol=0, atol=1e-6)
+    assert a.fingerprint() == b.fingerprint()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

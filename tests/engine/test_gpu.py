@@ -36,26 +36,51 @@ def cpu_reference(model_dir):
 
 BUDGET = 6 * 3 * 64 * 32 * 4 * 2 / 2**30
 
+def _acted(kind: str):
+    """What the tier statistics of a generate call (after start-up) must show for a knob to have acted:
+    a knob that silently did nothing leaves them at zero."""
+    checks = {
+        "host": lambda d: d["expert_calls_host"] > 0 and d["expert_calls_fetched"] == 0,
+        "fetch": lambda d: d["expert_calls_fetched"] > 0 and d["bytes_to_fast"] > 0 and d["expert_calls_host"] == 0,
+        "auto": lambda d: d["expert_calls_host"] + d["expert_calls_fetched"] > 0,
+        "dynamic": lambda d: d["replans"] > 0,
+        "cache": lambda d: d["bytes_to_fast"] > 0 and d["prefetched"] > 0,
+        "replicas": lambda d: d["replica_calls"] > 0,
+        "micro": lambda d: d["expert_calls_fast_hi"] > 0 and d["expert_calls_host"] + d["expert_calls_fetched"] > 0,
+    }
+    return checks.get(kind)
+
+
 CASES = [
-    {},
-    dict(residency="static", resident_budget_gib=BUDGET, missing_expert="host"),
-    dict(residency="static", resident_budget_gib=BUDGET, missing_expert="fetch"),
-    dict(residency="static", resident_budget_gib=BUDGET, missing_expert="auto"),
-    dict(residency="dynamic", resident_budget_gib=BUDGET, dynamic_replan_tokens=4),
-    dict(residency="cache", resident_budget_gib=BUDGET, prefetch_experts=2),
-    dict(max_replicas=2, replica_threshold=1.1, replica_window_tokens=4),
-    dict(expert_batching="micro", micro_batch_tokens=3, residency="static", resident_budget_gib=BUDGET),
-    dict(decode_attention="host"),
-    dict(expert_sm_share=0.5),
+    ({}, None),
+    (dict(residency="static", resident_budget_gib=BUDGET, missing_expert="host"), "host"),
+    (dict(residency="static", resident_budget_gib=BUDGET, missing_expert="fetch"), "fetch"),
+    (dict(residency="static", resident_budget_gib=BUDGET, missing_expert="auto"), "auto"),
+    (dict(residency="dynamic", resident_budget_gib=BUDGET, dynamic_replan_tokens=4), "dynamic"),
+    (dict(residency="cache", resident_budget_gib=BUDGET, prefetch_experts=2), "cache"),
+    (dict(max_replicas=2, replica_threshold=1.1, replica_window_tokens=4), "replicas"),
+    (dict(expert_batching="micro", micro_batch_tokens=3, residency="static", resident_budget_gib=BUDGET), "micro"),
+    (dict(decode_attention="host"), "attention"),
+    (dict(expert_sm_share=0.5), None),
 ]
 
 
-@pytest.mark.parametrize("knobs", CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "plain")
-def test_cuda_matches_cpu(model_dir, cpu_reference, knobs):
+@pytest.mark.parametrize("knobs,kind", CASES,
+                         ids=lambda k: (",".join(f"{a}={b}" for a, b in k.items()) or "plain") if isinstance(k, dict) else "")
+def test_cuda_matches_cpu(model_dir, cpu_reference, knobs, kind):
     tokens, logits = cpu_reference
     eng = Engine(model_dir, EngineConfig().replace(device="cuda", **knobs))
     eng.warm_up_hotness(64)
+    hybrid = eng.model.hybrid
+    before = hybrid.stats.as_dict() if hybrid is not None else {}
     assert eng.generate(PROMPTS, 6) == tokens
+    check = _acted(kind) if kind else None
+    if check is not None:
+        hybrid.drain()
+        delta = {k: v - before[k] for k, v in hybrid.stats.as_dict().items()}
+        assert check(delta), (kind, delta)
+    if kind == "attention":
+        assert eng.cache.device.type == "cpu" and eng.device.type == "cuda"
     for p, want in zip(PROMPTS, logits, strict=True):
         torch.testing.assert_close(prompt_logits(eng, p), want, atol=ATOL, rtol=0)
     if eng.model.hybrid is not None:

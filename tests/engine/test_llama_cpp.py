@@ -22,6 +22,17 @@ from engine.runtime import Engine
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 99, 100, 7]]
 
 
+@pytest.fixture
+def native_kernels(require_component):
+    """The compute rooflines need the kernels' measured path peaks."""
+    from engine import kernels
+
+    st = kernels.status()
+    if st["state"] == "broken":
+        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
+    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
+
+
 @pytest.fixture(scope="module")
 def ckpt(make_ckpt):
     return make_ckpt("qwen3_moe", dtype="bfloat16", seed=3)
@@ -74,7 +85,7 @@ def test_llama_cpp_greedy_tokens_are_the_engines(ckpt, tmp_path):
         assert out == ref and len(steps) == 7 and prefill_s > 0, kind
 
 
-def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys):
+def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, native_kernels):
     assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1", "--rounds", "1", "--staggered", "0",
                  "--systems", "transformers,engine,engine_int8,engine_int4,llama_bf16", "--json"]) == 0
@@ -104,7 +115,7 @@ def test_gguf_command_writes_the_files(ckpt, tmp_path, capsys):
     assert "q9" in capsys.readouterr().err
 
 
-def test_bench_counts_the_bytes_of_the_precisions_used(ckpt, capsys):
+def test_bench_counts_the_bytes_of_the_precisions_used(ckpt, capsys, native_kernels):
     """int8/int4 experts and a bf16 KV cache read fewer bytes than bf16 experts and an fp32 cache."""
     rows = {}
     for name, knobs in {"bf16": [], "int8": ["--hi-precision", "int8"],

@@ -4,8 +4,12 @@ host-vs-fetch decisions, batching and route pruning. Pure numpy; no model, no de
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -497,23 +501,39 @@ def test_prune_routes_random_invariants() -> None:
 
 # ----------------------------------------------------------------------------------------- determinism
 
-def test_same_inputs_same_outputs() -> None:
-    def run() -> tuple:
-        rng = np.random.default_rng(42)
-        hot = _hotness(rng, 3, 10)
-        budgets = layer_budgets(2000, "proportional", 3, load=hot.max(axis=1))
-        plan = plan_static(hot, budgets, 200, 50)
-        dyn = DynamicResidency(plan, half_life_tokens=64, replan_interval_tokens=32, hysteresis=0.1,
-                               max_swaps_per_replan=2, initial_hotness=hot)
-        moves = []
-        for _ in range(8):
-            r = dyn.update(rng.integers(0, 20, size=(3, 10)).astype(float), 32)
-            moves.append((r.promotions, r.demotions) if r else None)
-        cache = ExpertCache(3, 10, 3, policy="lfu")
-        hits = [cache.access(i % 3, rng.integers(0, 10, 4).tolist()) for i in range(30)]
-        reps = plan_replicas(rng.integers(0, 100, size=(3, 10)), 1.5, 2, [400, 400, 400], 100)
-        pruned = prune_routes(rng.random((16, 4)), rng.integers(0, 10, (16, 4)), 3, 0.2)
-        return (json.dumps(plan.to_dict()), json.dumps(dyn.plan.to_dict()), repr(moves), repr(hits),
-                repr(reps), [a.tobytes() for a in pruned])
+def _run_policies() -> tuple:
+    """Every policy's decisions on one fixed input, as comparable text."""
+    rng = np.random.default_rng(42)
+    hot = _hotness(rng, 3, 10)
+    budgets = layer_budgets(2000, "proportional", 3, load=hot.max(axis=1))
+    plan = plan_static(hot, budgets, 200, 50)
+    dyn = DynamicResidency(plan, half_life_tokens=64, replan_interval_tokens=32, hysteresis=0.1,
+                           max_swaps_per_replan=2, initial_hotness=hot)
+    moves = []
+    for _ in range(8):
+        r = dyn.update(rng.integers(0, 20, size=(3, 10)).astype(float), 32)
+        moves.append((r.promotions, r.demotions) if r else None)
+    cache = ExpertCache(3, 10, 3, policy="lfu")
+    hits = [cache.access(i % 3, rng.integers(0, 10, 4).tolist()) for i in range(30)]
+    reps = plan_replicas(rng.integers(0, 100, size=(3, 10)), 1.5, 2, [400, 400, 400], 100)
+    pruned = prune_routes(rng.random((16, 4)), rng.integers(0, 10, (16, 4)), 3, 0.2)
+    return (json.dumps(plan.to_dict()), json.dumps(dyn.plan.to_dict()), repr(moves), repr(hits),
+            repr(reps), [a.hex() for a in (x.tobytes() for x in pruned)])
 
-    assert run() == run()
+
+def _decisions() -> str:
+    return hashlib.sha256(repr(_run_policies()).encode()).hexdigest()
+
+
+def test_same_inputs_same_decisions_in_other_processes() -> None:
+    """Policies are pure: fresh processes with other hash seeds (which reorder sets and dicts of strings)
+    decide exactly as this one does. Decisions that leaked the time, a global RNG or iteration order of a
+    hashed container would differ between them."""
+    here_dir = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here_dir!r}); import test_policy as t; print(t._decisions())"
+    here = _decisions()
+    for seed in ("1", "987654"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert other.returncode == 0, other.stderr[-2000:]
+        assert other.stdout.strip().splitlines()[-1] == here, f"PYTHONHASHSEED={seed}"

@@ -78,8 +78,7 @@ def test_cpu_uses_packed_kernels_where_the_build_has_them(precision):
     qw = quantize(_weight(64, 256), precision, 128)
     want = {"int8": ("_weight_int8pack_mm", "int8pack_mm"),
             "int4": ("_weight_int4pack_mm_for_cpu", "int4pack_mm_cpu")}[precision]
-    if not hasattr(torch.ops.aten, want[0]):
-        pytest.skip(f"this torch has no {want[0]}")
+    assert hasattr(torch.ops.aten, want[0]), f"torch {torch.__version__} has no {want[0]}"
     assert qw.kernel == want[1]
     assert Q.kernel_report()["cpu"][precision] == want[1]
 
@@ -146,10 +145,22 @@ def test_degenerate_rows(precision):
 
 
 def test_scales_exact_in_bf16():
-    """Stored scales are what the kernels read, so ``dequantize`` is the kernels' own weight."""
-    for precision in ("int8", "int4"):
-        qw = quantize(_weight(16, 128), precision, 64)
-        assert qw.scales is not None and qw.scales.dtype == torch.bfloat16
+    """The integers are computed against the stored bf16 scales (not the fp32 scales before rounding), so
+    the stored (q, scales) pair is exactly the weight that ``dequantize`` and the kernels multiply by."""
+    w = _weight(16, 128)
+    q8 = quantize(w, "int8")
+    assert q8.scales is not None and q8.scales.dtype == torch.bfloat16
+    s = q8.scales.float()[:, None]
+    assert torch.equal(q8.data, torch.round(w / s).clamp(-127, 127).to(torch.int8))  # nearest against s itself
+    assert torch.equal(dequantize(q8), q8.data.float() * s)
+    q4 = Q._relayout_int4(quantize(w, "int4", 64), "int4_plain")
+    assert q4.scales is not None and q4.scales.dtype == torch.bfloat16
+    sz = q4.scales.float()[:, :16]  # [G, N, 2]: per group and row, scale and zero point as stored
+    scale = sz[..., 0].t().repeat_interleave(64, dim=1)  # [N, K]
+    zero = sz[..., 1].t().repeat_interleave(64, dim=1)
+    values = Q._int4_values(q4)[:16].float()
+    assert torch.equal(values, torch.round((w - zero) / scale + 8).clamp(0, 15))  # nearest against stored (s, z)
+    torch.testing.assert_close(dequantize(q4), (values - 8) * scale + zero, rtol=2**-22, atol=0)
 
 
 # --------------------------------------------------------------------------------------------- bytes
@@ -211,8 +222,7 @@ def test_other_widths_fall_back_to_dequant():
 # --------------------------------------------------------------------------------- layouts, moves
 @pytest.mark.parametrize("n", [1, 16, 48, 64, 80, 144, 784])
 def test_int4_cpu_layout_decoding(n):
-    if not Q._int4_kernel_ok("cpu"):
-        pytest.skip("no CPU int4 kernel")
+    assert Q._int4_kernel_ok("cpu"), f"torch {torch.__version__}: the CPU int4 kernel is missing or disagrees"
     assert Q._cpu_layout_decoder_ok()
     qw = quantize(_weight(n, 128), "int4", 64)
     assert qw.layout == "int4_cpu"
@@ -292,6 +302,17 @@ def test_cuda_round_trip_and_quantize_on_device(precision):
 
 
 # --------------------------------------------------------------------------------- int4_native layout
+@pytest.fixture
+def native_kernels(require_component):
+    """moetune's kernels built (a broken build fails; a machine with no compiler follows ``require``)."""
+    from engine import kernels
+
+    st = kernels.status()
+    if st["state"] == "broken":
+        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
+    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
+
+
 def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
     """What the native int4 path computes: ``scale * sum(q * x_q8) + (zero - 8 scale) * sum(x)`` per group,
     x_q8 the activations quantized per block of 32 by the kernels' own ``quantize_q8``."""
@@ -308,7 +329,7 @@ def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 128), (33, 256), (144, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("group", [32, 64])
-def test_int4_native_layout_holds_the_same_weight(shape, group):
+def test_int4_native_layout_holds_the_same_weight(shape, group, native_kernels):
     """The native layout (32-value chunks, q4_0 nibble order) is a permutation of the plain one: same
     values, same bytes, same dequantized weight; it round-trips through every other layout."""
     n, k = shape
@@ -330,7 +351,7 @@ def test_int4_native_layout_holds_the_same_weight(shape, group):
 
 
 @pytest.mark.parametrize("m", [1, 7, 64])
-def test_qlinear_on_the_native_int4_kernel(m):
+def test_qlinear_on_the_native_int4_kernel(m, native_kernels):
     qw = quantize(_weight(80, 128), "int4", 64, native=True)
     x = _x(m, 128)
     ref = _native_reference(x, qw)
@@ -344,7 +365,7 @@ def test_qlinear_on_the_native_int4_kernel(m):
     assert float((y - exact).norm() / exact.norm()) < 0.02
 
 
-def test_native_layout_only_where_the_kernels_read_it():
+def test_native_layout_only_where_the_kernels_read_it(native_kernels):
     assert quantize(_weight(16, 96), "int4", 32, native=True).layout == "int4_native"
     assert quantize(_weight(16, 64), "int4", 16, native=True).layout != "int4_native"  # group not a multiple of 32
     assert quantize(_weight(16, 64), "int4", 64).layout != "int4_native"  # not asked for

@@ -74,11 +74,18 @@ def test_batched_outputs_equal_one_request_at_a_time(engine, model_dir):
 
 
 def test_realtime_respects_arrivals(engine):
-    wl = small_workload(n=4, gap_s=0.3)
+    """No request is computed before it arrives (arrival times divided by the rate scale), and each is
+    served as it arrives rather than after the whole workload."""
+    wl = small_workload(n=4, gap_s=0.6)
     res = run_workload(engine, wl, mode="realtime", rate_scale=2.0)
+    starts = [s.start_s for s in res.steps]
     for r, req in zip(res.requests, wl.requests, strict=True):
         assert r.arrival_s == pytest.approx(req.arrival_s / 2.0)
-        assert r.first_token_s >= r.arrival_s
+        first_step = max(t for t in starts if t <= r.first_token_s)  # the step that made its first token
+        assert first_step >= r.arrival_s - 1e-9, (first_step, r.arrival_s)
+    # Served on arrival: the tiny model's first token comes long before the next request arrives (0.3 s).
+    for r, nxt in zip(res.requests, res.requests[1:], strict=False):
+        assert r.first_token_s < nxt.arrival_s
     assert res.duration_s >= wl.requests[-1].arrival_s / 2.0
 
 

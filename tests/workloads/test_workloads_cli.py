@@ -134,8 +134,8 @@ def test_record_uses_engine(tmp_path: Path, capsys, monkeypatch):
     assert w.metadata["router_trace"]["model"] == "m"
 
 
-@pytest.mark.skipif(shutil.which("workloads") is None, reason="console script not installed")
 def test_console_script_show_json():
+    assert shutil.which("workloads"), "the `workloads` console script is not installed (pip install -e .)"
     proc = subprocess.run(["workloads", "show", "builtin:tiny", "--json"], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0

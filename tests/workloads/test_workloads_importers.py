@@ -167,7 +167,8 @@ def test_sharegpt_estimated_lengths(tmp_path: Path):
 
 
 def test_sharegpt_tokenizer(tmp_path: Path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
+
     vocab = {"[UNK]": 0, "hello": 1, "there": 2, "how": 3, "are": 4, "you": 5, "fine": 6, "thanks": 7, "and": 8}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
