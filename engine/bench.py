@@ -92,6 +92,7 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
 
 def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: int, repeats: int = 1,
               warmup: bool = True) -> dict[str, Any]:
+    memory_bandwidth_gbps(fresh=True)  # this run's bandwidth, for every row's roofline
     if warmup:
         bench_batch(engine, 1, min(prompt_len, 16), 4)
     rows = []

@@ -46,10 +46,11 @@ def _save(data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def cached(name: str, measure) -> Any:
+def cached(name: str, measure, fresh: bool = False) -> Any:
+    """``measure()``, kept per machine, software and thread count; ``fresh`` measures again and keeps that."""
     data = _load()
     key = f"{_store_key()}:{name}"
-    if key not in data:
+    if fresh or key not in data:
         data[key] = measure()
         _save(data)
     return data[key]
@@ -96,8 +97,10 @@ def compute_dtype_measurement(stored: torch.dtype, hidden: int, inter: int) -> d
     return cached(f"compute_dtype:{stored}:{hidden}x{inter}", measure)
 
 
-def memory_bandwidth_gbps() -> float:
-    """Host DRAM read bandwidth (GB/s) with the current thread count: a sum over a 512 MiB buffer."""
+def memory_bandwidth_gbps(fresh: bool = False) -> float:
+    """Host DRAM read bandwidth (GB/s) with the current thread count: a sum over a 512 MiB buffer.
+    ``fresh``: measure now (on a shared machine the bandwidth drifts; a measuring command's roofline
+    should use the bandwidth of its own run)."""
 
     def measure() -> float:
         buf = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB, far larger than caches
@@ -109,7 +112,7 @@ def memory_bandwidth_gbps() -> float:
             best = min(best, time.perf_counter() - t)
         return buf.numel() * 4 / best / 1e9
 
-    return float(cached("mem_bw_gbps", measure))
+    return float(cached("mem_bw_gbps", measure, fresh))
 
 
 def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):

@@ -204,7 +204,7 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
     if why is not None:
         skipped.update({s: why for s in systems if s in LLAMA_SYSTEMS})
     names = [s for s in systems if s not in skipped]
-    bw = memory_bandwidth_gbps()
+    bw = memory_bandwidth_gbps(fresh=True)  # measured in this run
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, spec.vocab_size, (b, prompt_len), generator=g) for b in batches}
