@@ -143,12 +143,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
     print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
           f"{s['steps']} steps, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
+    from engine.calibrate import memory_bandwidth_gbps
+    from engine.roofline import run_roofline
+
+    roof = run_roofline(engine, result, memory_bandwidth_gbps())
+    if roof is not None:
+        comp = roof["compute_roofline_tokens_per_s"]
+        print(f"decode steps (median batch {roof['median_decode_batch']}): {roof['decode_tokens_per_s']:.1f} tok/s; "
+              f"roofline {roof['roofline_tokens_per_s']:.1f} ({roof['bound']}-bound: bandwidth "
+              f"{roof['bandwidth_roofline_tokens_per_s']:.1f}, compute " + (f"{comp:.1f}" if comp else "-")
+              + f"), {roof['roofline_fraction']:.0%} of it; {roof['bytes_per_step'] / 1e6:.0f} MB per step")
     pop = popularity(result)
     if args.popularity:
         print(_table(pop, ["layer", "tokens", "top10pct_share", "entropy_norm", "hottest"],
                      {"top10pct_share": ".2f", "entropy_norm": ".3f"}))
     full = result.to_dict()
     full["popularity"] = pop
+    full["roofline"] = roof
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(full, fh)
@@ -316,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--new-tokens", type=int, default=64)
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--rounds", type=int, default=2, help="repeat the whole comparison, systems interleaved")
+    c.add_argument("--threads", type=int, default=0, help="threads for every system (0 = PyTorch's default)")
     c.add_argument("--systems", default="default",
                    help="comma-separated subset of transformers, engine, engine_torch, engine_checkpoint, "
                         "engine_int8, engine_int4, llama_bf16, llama_q8_0, llama_q4_0 (llama_* need "

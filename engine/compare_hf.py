@@ -378,6 +378,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
     systems = _parse_systems(args.systems)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     res = compare(args.model, batches, args.prompt_len, args.new_tokens, args.repeats, args.rounds, systems)
     print(f"model {res['model']} ({res['arch']}), prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"{res['threads']} threads, medians of {args.repeats} x {args.rounds} rounds; memory read bandwidth "

@@ -139,3 +139,27 @@ def roofline(cost: StepCost, bandwidth_gbps: float) -> dict[str, Any]:
 
 def as_dict(cost: StepCost) -> dict[str, Any]:
     return {**asdict(cost), "bytes": cost.bytes, "flop": cost.flop}
+
+
+def run_roofline(engine, result, bandwidth_gbps: float) -> dict[str, Any] | None:
+    """The decode roofline of a workload run (``engine run``): its decode-only steps' median batch and
+    duration against the roofline of such a step (experts touched as measured over the run, contexts of
+    the mean request: prompt plus half its output). None when the run had no decode-only step."""
+    import statistics
+
+    decode = [s for s in result.steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
+    done = [r for r in result.requests if r.finish_reason != "rejected"]
+    if not decode or not done:
+        return None
+    batch = int(statistics.median(s.decode_tokens for s in decode))
+    step_s = statistics.median(s.duration_ms for s in decode) / 1e3
+    context = statistics.fmean(r.prompt_tokens + r.output_tokens / 2 for r in done)
+    touched = engine.model.stats.mean_distinct() or None
+    if touched is None:
+        spec = engine.spec
+        touched = spec.n_experts * (1.0 - (1.0 - spec.top_k / spec.n_experts) ** batch)
+    r = roofline(step_cost(engine, batch, touched, context), bandwidth_gbps)
+    achieved = batch / step_s
+    return {**r, "decode_steps": len(decode), "median_decode_batch": batch, "median_decode_step_ms": step_s * 1e3,
+            "decode_tokens_per_s": achieved, "mean_context_tokens": context, "experts_touched_per_layer": touched,
+            "mem_bw_gb_per_s": bandwidth_gbps, "roofline_fraction": achieved / r["roofline_tokens_per_s"]}

@@ -27,9 +27,10 @@
 //
 // Weight formats (row-major, what the engine stores at load time; nothing is widened per step):
 //   bf16 / fp16 [N, K]; int8 [N, K] with one bf16 or fp32 scale per row (w = q * s);
-//   int4 [N_pad, K/2] bytes, each 32-value chunk of a row in 16 bytes, value j in the low nibble and
-//   value j+16 in the high one (llama.cpp's q4_0 order), with bf16 (scale, zero) [K/G, N_pad, 2] per
-//   group of G input channels: w = (q - 8) * scale + zero (engine/moe/quant.py's int4 convention).
+//   int4 [N_pad, K/2] bytes, each row in chunks of 64 values in 32 bytes (value j in the low nibble,
+//   j+32 in the high one), then, where K is 32 mod 64, a chunk of 32 values in 16 bytes (j low, j+16
+//   high), with bf16 (scale, zero) [K/G, N_pad, 2] per group of G input channels:
+//   w = (q - 8) * scale + zero (engine/moe/quant.py's int4 convention).
 //
 // Ops (namespace moetune):
 //   linear(x[T,K] f32, w[N,K] bf16|f16|f32, bias[N] f32?) -> [T,N] f32 (the default variant, f32 mode)
@@ -1126,8 +1127,15 @@ struct V256 {  // one q8 block per integer vector
   }
   static I iabs(I w) { return _mm256_abs_epi8(w); }
   static I isign(I x, I w) { return _mm256_sign_epi8(x, w); }  // x * sign(w)
-  // The 32 values (0..15) of one int4 chunk of 16 bytes: value j low nibble, j + 16 high nibble.
-  static I nibbles(const uint8_t* p) {
+  // The 64 values (0..15) of one int4 chunk of 32 bytes: byte j holds value j (low nibble) and value
+  // j + 32 (high nibble), so one load, one shift and two masks give both halves in order.
+  static void nibbles64(const uint8_t* p, I& lo, I& hi) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(b, m);
+    hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  }
+  // The 32 values of the 16-byte tail chunk of a row whose length is 32 mod 64: j low, j + 16 high.
+  static I nibbles32(const uint8_t* p) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
@@ -1159,12 +1167,11 @@ struct V512 {  // two q8 blocks per integer vector
   static I isign(I x, I w) {  // no vpsignb for zmm: negate x where w < 0 (where w == 0, |w| is 0 anyway)
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
   }
-  // The 64 values of two int4 chunks (32 bytes), in order.
+  // The 64 values of one int4 chunk (32 bytes: j low nibble, j + 32 high), in order.
   static I nibbles(const uint8_t* p) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
-    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));  // [chunk0 lo, chunk1 lo, chunk0 hi, chunk1 hi]
-    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1),
+                            _mm512_set1_epi8(0x0F));
   }
 };
 #endif
@@ -1192,42 +1199,100 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t l
     for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]);
 }
 
-// int4 weights (chunks of 32 in 16 bytes) x q8 activations; G % V::kValues == 0.
+// int4 weights x q8 activations. Rows: chunks of 64 values in 32 bytes (j low nibble, j + 32 high),
+// then, where K is 32 mod 64, one chunk of 32 values in 16 bytes (j low, j + 16 high).
 // dot over a group = scale * sum(q x) + (zero - 8 scale) * sum(x): the first from integer products
-// with the quantized activations, the second from the exact group sums of x.
-template <class V, int NR, int NT>
-inline void dots_i4q8(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K,
-                      int64_t G, int64_t ld, float* s) {
-  typename V::F acc[NR][NT];
-  float zacc[NR][NT];
+// with the quantized activations, the second from the exact group sums of x (added once per row).
+template <int NR, int NT>
+inline void int4_zero_terms(const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K, int64_t G,
+                            float (&zacc)[NR][NT]) {
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) {
-      acc[r][t] = V::fzero();
-      zacc[r][t] = 0.f;
-    }
-  for (int64_t g = 0; g < K / G; ++g) {
-    typename V::F sv[NR];
+    for (int t = 0; t < NT; ++t) zacc[r][t] = 0.f;
+  for (int64_t g = 0; g < K / G; ++g)
     for (int r = 0; r < NR; ++r) {
       const uint16_t* p = sc[r] + g * n_pad * 2;
-      const float sg = bf16_to_f(p[0]), zg = bf16_to_f(p[1]);
-      sv[r] = V::fset(sg);
-      for (int t = 0; t < NT; ++t) zacc[r][t] += (zg - 8.f * sg) * x[t].gs[g];
+      const float m = bf16_to_f(p[1]) - 8.f * bf16_to_f(p[0]);
+      for (int t = 0; t < NT; ++t) zacc[r][t] += m * x[t].gs[g];
     }
-    for (int64_t k = g * G; k < (g + 1) * G; k += V::kValues) {
-      if ((k & 127) == 0)
-        for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + NR * ld);
-      typename V::I xv[NT];
-      for (int t = 0; t < NT; ++t) xv[t] = V::iload(x[t].q + k);
+}
+
+inline float int4_scale(const uint16_t* sc, int64_t n_pad, int64_t g) { return bf16_to_f(sc[g * n_pad * 2]); }
+
+// 256-bit: any K % 32 == 0 and G % 32 == 0.
+template <int NR, int NT>
+inline void dots_i4q8_256(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K,
+                          int64_t G, int64_t ld, float* s) {
+  using V = V256;
+  __m256 acc[NR][NT];
+  float zacc[NR][NT];
+  int4_zero_terms<NR, NT>(sc, n_pad, x, K, G, zacc);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = V::fzero();
+  const int64_t K64 = K / 64 * 64;
+  __m256 sa[NR], sb[NR];
+  for (int64_t k = 0; k < K64; k += 64) {
+    if (k % G == 0 || G < 64)  // a new group (with G = 32, each half of the chunk has its own)
       for (int r = 0; r < NR; ++r) {
-        const typename V::I u = V::nibbles(w[r] + k / 2);
-        for (int t = 0; t < NT; ++t)
-          acc[r][t] = V::ffma(V::i2f(V::dp(u, xv[t])), V::fmul(V::fload(x[t].d + k / 4), sv[r]), acc[r][t]);
+        sa[r] = V::fset(int4_scale(sc[r], n_pad, k / G));
+        sb[r] = G < 64 ? V::fset(int4_scale(sc[r], n_pad, (k + 32) / G)) : sa[r];
       }
+    if ((k & 127) == 0)
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + NR * ld);
+    __m256i xa[NT], xb[NT];
+    for (int t = 0; t < NT; ++t) {
+      xa[t] = V::iload(x[t].q + k);
+      xb[t] = V::iload(x[t].q + k + 32);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m256i lo, hi;
+      V::nibbles64(w[r] + k / 2, lo, hi);
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t] = V::ffma(V::i2f(V::dp(lo, xa[t])), V::fmul(V::fload(x[t].d + k / 4), sa[r]), acc[r][t]);
+        acc[r][t] = V::ffma(V::i2f(V::dp(hi, xb[t])), V::fmul(V::fload(x[t].d + k / 4 + 8), sb[r]), acc[r][t]);
+      }
+    }
+  }
+  if (K64 < K)  // the 32-value tail chunk
+    for (int r = 0; r < NR; ++r) {
+      const __m256 sv = V::fset(int4_scale(sc[r], n_pad, K64 / G));
+      const __m256i u = V::nibbles32(w[r] + K64 / 2);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = V::ffma(V::i2f(V::dp(u, V::iload(x[t].q + K64))), V::fmul(V::fload(x[t].d + K64 / 4), sv),
+                            acc[r][t]);
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]) + zacc[r][t];
+}
+
+#if MT_ISA >= MT_AVX512
+// 512-bit: K % 64 == 0 and G % 64 == 0 (one 64-value chunk per vector, in one group).
+template <int NR, int NT>
+inline void dots_i4q8_512(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K,
+                          int64_t G, int64_t ld, float* s) {
+  using V = V512;
+  __m512 acc[NR][NT];
+  float zacc[NR][NT];
+  int4_zero_terms<NR, NT>(sc, n_pad, x, K, G, zacc);
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = V::fzero();
+  __m512 sv[NR];
+  for (int64_t k = 0; k < K; k += 64) {
+    if (k % G == 0)
+      for (int r = 0; r < NR; ++r) sv[r] = V::fset(int4_scale(sc[r], n_pad, k / G));
+    if ((k & 127) == 0)
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + NR * ld);
+    __m512i xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = V::iload(x[t].q + k);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i u = V::nibbles(w[r] + k / 2);
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = V::ffma(V::i2f(V::dp(u, xv[t])), V::fmul(V::fload(x[t].d + k / 4), sv[r]), acc[r][t]);
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]) + zacc[r][t];
 }
+#endif
 #else
 template <int NR, int NT>
 inline void dots_i8q8_scalar(const int8_t* const* w, const Act* x, int64_t K, float* s) {
@@ -1243,6 +1308,18 @@ inline void dots_i8q8_scalar(const int8_t* const* w, const Act* x, int64_t K, fl
     }
 }
 
+// The value at column j of an int4 row in the native layout (64-value chunks, then a 32-value tail).
+inline int32_t int4_at(const uint8_t* row, int64_t K, int64_t j) {
+  const int64_t K64 = K / 64 * 64;
+  if (j < K64) {
+    const uint8_t b = row[j / 64 * 32 + j % 32];
+    return j % 64 < 32 ? b & 15 : b >> 4;
+  }
+  const int64_t i = j - K64;
+  const uint8_t b = row[K64 / 2 + i % 16];
+  return i < 16 ? b & 15 : b >> 4;
+}
+
 template <int NR, int NT>
 inline void dots_i4q8_scalar(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x,
                              int64_t K, int64_t G, float* s) {
@@ -1255,10 +1332,7 @@ inline void dots_i4q8_scalar(const uint8_t* const* w, const uint16_t* const* sc,
         z += (zg - 8.f * sg) * x[t].gs[g];
         for (int64_t b = g * G / kQBlock; b < (g + 1) * G / kQBlock; ++b) {
           int32_t is = 0;
-          for (int64_t j = 0; j < kQBlock; ++j) {
-            const uint8_t byte = w[r][b * 16 + (j & 15)];
-            is += int32_t(j < 16 ? byte & 15 : byte >> 4) * int32_t(x[t].q[b * kQBlock + j]);
-          }
+          for (int64_t j = b * kQBlock; j < (b + 1) * kQBlock; ++j) is += int4_at(w[r], K, j) * int32_t(x[t].q[j]);
           acc += float(is) * x[t].d[b * 8] * sg;
         }
       }
@@ -1333,10 +1407,10 @@ inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t 
       sc[i] = m.sc16 + (r + i) * 2;
     }
 #if MT_ISA >= MT_AVX512
-    if (G % V512::kValues == 0) dots_i4q8<V512, NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
-    else dots_i4q8<V256, NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
+    if (G % 64 == 0 && K % 64 == 0) dots_i4q8_512<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
+    else dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
 #elif MT_ISA >= MT_AVX2
-    dots_i4q8<V256, NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
+    dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
 #else
     dots_i4q8_scalar<NR, NT>(w, sc, m.n_pad, x, K, G, s);
 #endif
@@ -1384,13 +1458,20 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   }
 }
 
+// f(i) for i in [0, n) on PyTorch's threads, handed out in chunks of `chunk` as threads free up: on a
+// shared machine a thread that loses its core delays the call by one chunk, not by its whole half
+// (a static split, as at::parallel_for makes, waits for the slowest thread's share).
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  const int nt = at::get_num_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n > chunk)
+  for (int64_t c = 0; c < (n + chunk - 1) / chunk; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
+}
+
 template <Kind KD>
 void linear_kind(const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, int64_t T, const float* bias, float* y) {
-  const int64_t block = 16, n_blocks = (N + block - 1) / block;
-  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
-    auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
-    rows_times_tokens<KD>(m, b0 * block, std::min(N, b1 * block), x, T, K, G, sink);
-  });
+  auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
+  parallel_chunks(N, 64, [&](int64_t r0, int64_t r1) { rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink); });
 }
 
 // The routed experts of T tokens (routes grouped by expert):
@@ -1427,9 +1508,7 @@ void moe_kind(const MoeJob& j, float* op) {
   }
   Prepared as;
   prepare(act.data(), P, inter, KD, G, as);
-  const int64_t ob = 16;
-  at::parallel_for(0, (H + ob - 1) / ob, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t r0 = b0 * ob, r1 = std::min(H, b1 * ob);
+  parallel_chunks(H, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
       if (n == 0) continue;

@@ -45,9 +45,10 @@ Quantization schemes:
   per byte; rows padded to a multiple of 16 (the CPU kernel's requirement) so bytes do not depend on
   the device. Layouts: ``int4_cpu`` (the CPU kernel's blocked packing), ``int4_tinygemm`` (int32 tiles
   for CUDA), ``int4_plain`` (``[out_pad, in / 2]`` uint8, even column in the high nibble: portable,
-  and what the fallback reads) and ``int4_native`` (``[out_pad, in / 2]`` uint8, each run of 32 values of a
-  row in 16 bytes, value j in the low nibble and j + 16 in the high one: llama.cpp's q4_0 order, which
-  moetune's kernels unpack with one shift and one mask; needs ``in`` and ``group_size`` multiples of 32).
+  and what the fallback reads) and ``int4_native`` (``[out_pad, in / 2]`` uint8, each row in chunks of 64
+  values in 32 bytes, value j in the low nibble and j + 32 in the high one, which moetune's kernels
+  unpack with one shift and two masks; a last chunk of 32 values in 16 bytes where ``in`` is 32 mod 64;
+  needs ``in`` and ``group_size`` multiples of 32).
   All four hold ``out_pad * in / 2`` bytes; the scales are the same ``[in / g, out_pad, 2]`` in each.
 """
 
@@ -74,7 +75,8 @@ KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16
 """int4 output rows are padded to this (CPU kernel: N % 16; tinygemm: N % 8)."""
 NATIVE_INT4_CHUNK = 32
-"""Values per 16-byte chunk of the ``int4_native`` layout (in_features and group_size must be multiples)."""
+"""in_features and group_size of the ``int4_native`` layout must be multiples of this (its chunks hold 64
+values, with a last one of 32 where in_features is 32 mod 64)."""
 DEQUANT_FROM_TOKENS: dict[tuple[str, str], int] = {("cpu", "int8"): 128, ("cpu", "int4"): 256}
 """(device type, precision) -> tokens per call from which ``path="auto"`` dequantises and runs a dense
 product instead of the packed kernel (measured with ``python -m engine.moe.bench_quant``). Absent pairs
@@ -310,10 +312,7 @@ def _write_int4_values(qw: QWeight, out: torch.Tensor, r0: int, r1: int) -> None
         o[..., 0].copy_(p[r0:r1] >> 4)
         o[..., 1].copy_(p[r0:r1] & 15)
     elif qw.layout == "int4_native":
-        b = p[r0:r1].view(r1 - r0, k // NATIVE_INT4_CHUNK, NATIVE_INT4_CHUNK // 2)
-        o = out.view(r1 - r0, k // NATIVE_INT4_CHUNK, NATIVE_INT4_CHUNK)
-        o[..., : NATIVE_INT4_CHUNK // 2].copy_(b & 15)
-        o[..., NATIVE_INT4_CHUNK // 2:].copy_(b >> 4)
+        out.copy_(_unpack_native(p[r0:r1]))
     elif qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
         flat = p.reshape(-1)
         block = _cpu_block_rows()
@@ -567,17 +566,28 @@ def _unpack_plain(p: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_native(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values [N, K] in [0, 15] -> [N, K/2] in the ``int4_native`` order: per chunk of 32 values,
-    byte j holds value j (low nibble) and value j + 16 (high nibble)."""
+    """uint8 values [N, K] in [0, 15] -> [N, K/2] in the ``int4_native`` order: chunks of 64 values in 32
+    bytes, byte j holding value j (low nibble) and value j + 32 (high nibble); where K is 32 mod 64, a
+    last chunk of 32 values in 16 bytes (j low, j + 16 high)."""
     n, k = q.shape
-    c = q.reshape(n, k // NATIVE_INT4_CHUNK, 2, NATIVE_INT4_CHUNK // 2)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    k64 = k // 64 * 64
+    c = q[:, :k64].reshape(n, k64 // 64, 2, 32)
+    parts = [(c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k64 // 2)]
+    if k > k64:
+        t = q[:, k64:].reshape(n, 2, 16)
+        parts.append(t[:, 0] | (t[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
 
 def _unpack_native(p: torch.Tensor) -> torch.Tensor:
-    n = p.shape[0]
-    b = p.reshape(n, -1, NATIVE_INT4_CHUNK // 2)
-    return torch.cat([b & 15, b >> 4], dim=-1).reshape(n, -1)
+    n, k = p.shape[0], p.shape[1] * 2
+    k64 = k // 64 * 64
+    b = p[:, : k64 // 2].reshape(n, k64 // 64, 32)
+    parts = [torch.cat([b & 15, b >> 4], dim=-1).reshape(n, k64)]
+    if k > k64:
+        t = p[:, k64 // 2:]
+        parts.append(torch.cat([t & 15, t >> 4], dim=-1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def _decode_cpu_layout(p: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:

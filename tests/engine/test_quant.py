@@ -342,9 +342,13 @@ def test_int4_native_layout_holds_the_same_weight(shape, group, native_kernels):
     assert torch.equal(dequantize(native), dequantize(plain))
     assert torch.equal(Q._relayout_int4(Q._relayout_int4(native, "int4_plain"), "int4_native").data, native.data)
     assert torch.equal(Q._unpack_native(Q._pack_native(Q._int4_values(plain))), Q._int4_values(plain))
-    # byte j of each 16-byte chunk: value j in the low nibble, value j + 16 in the high one
+    # byte j of each 32-byte chunk: value j in the low nibble, value j + 32 in the high one; a row of
+    # 32 mod 64 values ends in a 16-byte chunk (j low, j + 16 high)
     v = Q._int4_values(plain)
-    assert int(native.data[0, 3]) == int(v[0, 3]) | (int(v[0, 19]) << 4)
+    assert int(native.data[0, 3]) == int(v[0, 3]) | (int(v[0, 35]) << 4)
+    tail = quantize(_weight(16, 96), "int4", 32, native=True)
+    tv = Q._int4_values(tail)
+    assert int(tail.data[0, 32 + 5]) == int(tv[0, 64 + 5]) | (int(tv[0, 64 + 21]) << 4)
     meta, tensors = native.state_dict()
     assert meta["layout"] == "int4_plain" and torch.equal(dequantize(QWeight.from_state_dict(meta, tensors)),
                                                           dequantize(native))
