@@ -873,6 +873,28 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
     acc = _mm512_add_ps(acc, p);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same polynomial; 2^n built in the exponent bits (n >= -126 after the clamp).
+  const __m256 vshift = _mm256_set1_ps(shift), log2e = _mm256_set1_ps(1.44269504088896341f),
+               ln2_hi = _mm256_set1_ps(0.693359375f), ln2_lo = _mm256_set1_ps(-2.12194440e-4f),
+               lo = _mm256_set1_ps(-87.3f);
+  const float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 r = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vshift), lo);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(r, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_fnmadd_ps(k, ln2_hi, r);
+    r = _mm256_fnmadd_ps(k, ln2_lo, r);
+    __m256 p = _mm256_set1_ps(c[6]);
+    for (int j = 5; j >= 0; --j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[j]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    _mm256_storeu_ps(x + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_hadd_ps(h, h);
+  sum = _mm_cvtss_f32(_mm_hadd_ps(h, h));
 #endif
   for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
   return sum;
@@ -904,33 +926,38 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const C* kp = static_cast<const C*>(kc.data_ptr());
   const C* vp = static_cast<const C*>(vc.data_ptr());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KV, 1, [&](int64_t a, int64_t z) {
-    std::vector<float> w;
-    for (int64_t bh = a; bh < z; ++bh) {
-      const int64_t b = bh / KV, g = bh % KV, len = lp[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const C* K = kp + ((sp[b] * KV + g) * L) * d;
-      const C* V = vp + ((sp[b] * KV + g) * L) * d;
-      w.resize(len - lo);
-      for (int64_t hq = g * group; hq < (g + 1) * group; ++hq) {
-        const float* qh = qp + (b * Hq + hq) * d;
-        float mx = -INFINITY;
-        for (int64_t j = lo; j < len; ++j) {
-          w[j - lo] = dot_cache(qh, K + j * d, d) * sc;
-          mx = std::max(mx, w[j - lo]);
-        }
-        const float sum = exp_shifted(w.data(), static_cast<int64_t>(w.size()), mx);
-        float* oh = op + (b * Hq + hq) * d;
-        for (int64_t i = 0; i < d; ++i) oh[i] = 0.f;
-        for (int64_t j = lo; j < len; ++j) {
-          const float p = w[j - lo] / sum;
-          const C* vj = V + j * d;
+  // Each cached key and value row is read once for the whole group of query heads that share it.
+  const int nt = at::get_num_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B * KV > 1)
+  for (int64_t bh = 0; bh < B * KV; ++bh) {
+    const int64_t b = bh / KV, g = bh % KV, len = lp[b];
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - lo;
+    const C* K = kp + ((sp[b] * KV + g) * L) * d;
+    const C* V = vp + ((sp[b] * KV + g) * L) * d;
+    const float* qg = qp + (b * Hq + g * group) * d;  // the group's query heads, [group, d]
+    float* og = op + (b * Hq + g * group) * d;
+    std::vector<float> w(group * n);  // scores [group, n], then probabilities
+    for (int64_t j = lo; j < len; ++j) {
+      const C* kj = K + j * d;
+      for (int64_t h = 0; h < group; ++h) w[h * n + j - lo] = dot_cache(qg + h * d, kj, d) * sc;
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float* wh = w.data() + h * n;
+      const float mx = *std::max_element(wh, wh + n);
+      const float inv = 1.f / exp_shifted(wh, n, mx);
+      for (int64_t j = 0; j < n; ++j) wh[j] *= inv;
+    }
+    for (int64_t i = 0; i < group * d; ++i) og[i] = 0.f;
+    for (int64_t j = lo; j < len; ++j) {
+      const C* vj = V + j * d;
+      for (int64_t h = 0; h < group; ++h) {
+        const float p = w[h * n + j - lo];
+        float* oh = og + h * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) oh[i] += p * cache_at(vj, i);
-        }
+        for (int64_t i = 0; i < d; ++i) oh[i] += p * cache_at(vj, i);
       }
     }
-  });
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
