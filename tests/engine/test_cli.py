@@ -47,7 +47,7 @@ def test_run_json_has_requests_steps_totals_for_50_requests(model_dir, capsys):
     assert res["telemetry"] and "cpu_percent" in res["telemetry"][0]
     roof = res["roofline"]  # decode steps against the roofline of their batch, bytes from the precisions used
     assert roof["bytes_per_step"] > roof["kv_bytes_per_step"] > 0 and roof["bound"] in ("bandwidth", "compute")
-    assert 0 < roof["roofline_fraction"] and roof["decode_tokens_per_s"] > 0
+    assert roof["roofline_fraction"] > 0 and roof["decode_tokens_per_s"] > 0
     assert res["popularity"] and res["meta"]["hybrid"] is False
 
 
