@@ -1,9 +1,12 @@
-"""``engine bench``: prefill and decode speed per batch size, next to the memory-bandwidth roofline.
+"""``engine bench``: prefill and decode speed per batch size, next to the binding roofline.
 
 For each batch size B: B prompts of ``prompt_len`` random tokens are prefilled (timed; prompt chunks
 as the scheduler forms them), then every sequence decodes ``new_tokens`` tokens together (timed per
-step). The roofline divides the bytes of weights a decode step reads (dense weights, lm head, and the
-experts the step's tokens actually touched) by the machine's measured read bandwidth.
+step). Rooflines (:mod:`engine.roofline`): a decode step reads the dense weights, the lm head and the
+experts its tokens actually touched, each in the precision it is kept in (int8/int4 with their
+scales), plus the KV cache of every sequence; it computes their products and attention. The bandwidth
+roofline divides those bytes by the measured read bandwidth, the compute roofline the FLOP by the
+measured peak of each product's path; ``roofline_fraction`` is of the lower (binding) one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any
 
 import torch
 
+from engine import kernels
 from engine.calibrate import memory_bandwidth_gbps
+from engine.roofline import roofline, step_cost
 from engine.runtime import Engine
 
 
@@ -49,12 +54,15 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
     engine.reconfigure(needed)
     prefill_s, step_s = prefill_then_decode(engine, prompts, new_tokens)
     touched = engine.model.stats.mean_distinct()  # measured: distinct experts per MoE layer per step
-    dtype_bytes = engine.weight_dtype.itemsize  # the bytes the products read, as the weights are kept
-    bytes_per_step = engine.spec.weight_bytes_touched(batch, dtype_bytes, touched)
     bw = memory_bandwidth_gbps()
     step_med = statistics.median(step_s) if step_s else float("nan")
     decode_tps = batch / step_med
-    roofline_tps = batch * bw * 1e9 / bytes_per_step
+    # Each sequence's context grows from prompt_len to prompt_len + new_tokens - 1 while it decodes.
+    decode = roofline(step_cost(engine, batch, touched, prompt_len + new_tokens / 2), bw)
+    chunk = min(prompt_len, cfg.prefill_chunk_tokens)
+    prefill_touched = engine.spec.n_experts * (1 - (1 - engine.spec.top_k / engine.spec.n_experts) ** chunk)
+    prefill = roofline(step_cost(engine, chunk, prefill_touched, prompt_len / 2 - chunk / 2, decode=False), bw)
+    prefill_tps = batch * prompt_len / prefill_s
     ep = {}
     if engine.model.ep is not None:  # decode steps only (reset after the prefill)
         s = engine.model.ep.stats.summary()
@@ -66,15 +74,27 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "prefill_s": prefill_s,
-        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "prefill_tokens_per_s": prefill_tps,
         "decode_step_ms_median": step_med * 1e3,
         "decode_tokens_per_s": decode_tps,
         "decode_experts_touched_per_layer": touched,
-        "weight_bytes_per_decode_step": bytes_per_step,
-        "achieved_gb_per_s": bytes_per_step / step_med / 1e9,
+        "weight_bytes_per_decode_step": decode["weight_bytes_per_step"],
+        "kv_bytes_per_decode_step": decode["kv_bytes_per_step"],
+        "bytes_per_decode_step": decode["bytes_per_step"],
+        "flop_per_decode_step": decode["flop_per_step"],
+        "achieved_gb_per_s": decode["bytes_per_step"] / step_med / 1e9,
+        "achieved_gflop_per_s": decode["flop_per_step"] / step_med / 1e9,
         "mem_bw_gb_per_s": bw,
-        "roofline_decode_tokens_per_s": roofline_tps,
-        "roofline_fraction": decode_tps / roofline_tps,
+        "decode_paths": {"dense": decode["dense_path"], "experts": decode["expert_path"]},
+        "bandwidth_roofline_decode_tokens_per_s": decode["bandwidth_roofline_tokens_per_s"],
+        "compute_roofline_decode_tokens_per_s": decode["compute_roofline_tokens_per_s"],
+        "roofline_decode_tokens_per_s": decode["roofline_tokens_per_s"],
+        "roofline_bound": decode["bound"],
+        "roofline_fraction": decode_tps / decode["roofline_tokens_per_s"],
+        "prefill_paths": {"dense": prefill["dense_path"], "experts": prefill["expert_path"]},
+        "roofline_prefill_tokens_per_s": prefill["roofline_tokens_per_s"],
+        "prefill_roofline_bound": prefill["bound"],
+        "prefill_roofline_fraction": prefill_tps / prefill["roofline_tokens_per_s"],
         **ep,
     }
 
@@ -83,6 +103,7 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
               warmup: bool = True) -> dict[str, Any]:
     if engine.hotness is None:
         engine.warm_up_hotness()  # placements by hotness (residency, expert parallelism) need a profile
+    memory_bandwidth_gbps(fresh=True)  # this run's bandwidth, for every row's roofline
     if warmup:
         bench_batch(engine, 1, min(prompt_len, 16), 4)
     rows = []
@@ -90,7 +111,7 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
         runs = [bench_batch(engine, b, prompt_len, new_tokens, seed=r) for r in range(repeats)]
         row = dict(runs[0])
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_step_ms_median", "achieved_gb_per_s",
-                    "roofline_fraction", "prefill_s"):
+                    "achieved_gflop_per_s", "roofline_fraction", "prefill_roofline_fraction", "prefill_s"):
             row[key] = statistics.median(r[key] for r in runs)
         row["repeats"] = repeats
         rows.append(row)
@@ -98,6 +119,9 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
             "cpu_kernels": engine.kernels_label,
+            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""),
+            "hi_precision": engine.model.hybrid.hi if engine.model.hybrid is not None else None,
+            "kernel_dispatch": kernels.dispatch_report() if engine.model.native else None,
             "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "ep_ranks": engine.config.parallel.ep_size,
             "weight_bytes": engine.model.weight_bytes(),

@@ -2,7 +2,9 @@
 
 - which matrix-product precision is faster here for expert-shaped products (bf16 pays only where the
   CPU has AMX or AVX512_BF16; elsewhere oneDNN emulates it and fp32 wins);
-- the host's memory read bandwidth, the roofline's denominator.
+- the host's memory read bandwidth, the roofline's denominator;
+- which path each precision's products take per token count on moetune's native kernels (ISA variant
+  and arithmetic mode) or PyTorch's GEMM, and the peak FLOP/s of each path (the compute roofline).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,10 +46,11 @@ def _save(data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def cached(name: str, measure) -> Any:
+def cached(name: str, measure, fresh: bool = False) -> Any:
+    """``measure()``, kept per machine, software and thread count; ``fresh`` measures again and keeps that."""
     data = _load()
     key = f"{_store_key()}:{name}"
-    if key not in data:
+    if fresh or key not in data:
         data[key] = measure()
         _save(data)
     return data[key]
@@ -93,8 +97,10 @@ def compute_dtype_measurement(stored: torch.dtype, hidden: int, inter: int) -> d
     return cached(f"compute_dtype:{stored}:{hidden}x{inter}", measure)
 
 
-def memory_bandwidth_gbps() -> float:
-    """Host DRAM read bandwidth (GB/s) with the current thread count: a sum over a 512 MiB buffer."""
+def memory_bandwidth_gbps(fresh: bool = False) -> float:
+    """Host DRAM read bandwidth (GB/s) with the current thread count: a sum over a 512 MiB buffer.
+    ``fresh``: measure now (on a shared machine the bandwidth drifts; a measuring command's roofline
+    should use the bandwidth of its own run)."""
 
     def measure() -> float:
         buf = torch.ones(128 * 1024 * 1024, dtype=torch.float32)  # 512 MiB, far larger than caches
@@ -106,7 +112,7 @@ def memory_bandwidth_gbps() -> float:
             best = min(best, time.perf_counter() - t)
         return buf.numel() * 4 / best / 1e9
 
-    return float(cached("mem_bw_gbps", measure))
+    return float(cached("mem_bw_gbps", measure, fresh))
 
 
 def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
@@ -161,3 +167,89 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
     data = cached(f"expert_costs:{device.type}:{prec}:{h}x{i}", measure)
     return CostModel.from_measurements(data)
+
+
+KERNEL_SHAPE = (768, 1024)
+"""[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
+_KERNEL_PATHS_VERSION = 2  # of the measurement below: a change re-measures
+_KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
+
+
+def kernel_paths() -> dict[str, Any]:
+    """Times of every product path per precision and token count on this machine (once per machine,
+    software, thread count and kernel build), the table chosen from them
+    (:func:`engine.kernels.choose_paths`) and each path's peak GFLOP/s."""
+    from engine import kernels
+
+    if kernels.load() is None:
+        raise RuntimeError(f"kernel paths: the native kernels are unavailable ({kernels.status()['error']})")
+    build = Path(str(kernels.status()["library"])).parent.name
+    got = cached(f"kernel_paths:v{_KERNEL_PATHS_VERSION}:{build}", _measure_kernel_paths)
+    log.info("kernel paths on this CPU: %s", got["table"])
+    return got
+
+
+def _measure_kernel_paths() -> dict[str, Any]:
+    from engine import kernels
+    from engine.moe import quant
+
+    ops = kernels.ops()
+    n, k = KERNEL_SHAPE
+    group = 128
+    runnable = kernels.variants()["runnable"]
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, k, generator=g) * k ** -0.5 for _ in range(_KERNEL_POOL)]
+    half = {"bf16": [w.bfloat16() for w in base], "fp16": [w.half() for w in base]}
+    full = base[:4]  # fp32 weights (PyTorch's own fp32 GEMM: the engine without its kernels)
+    int8 = [quant.quantize(w, "int8") for w in base]
+    int4_native = [quant.quantize(w, "int4", group, native=True) for w in base]
+    int4_torch = [quant.quantize(w, "int4", group) for w in base]
+
+    def runner(prec: str, p: str):
+        if prec in half:
+            ws = half[prec]
+            if p == "torch:widen":
+                return lambda x, xb, i: F.linear(x, ws[i].float())
+            if p == "torch:bf16":
+                return lambda x, xb, i: F.linear(xb, ws[i]).float()
+            return lambda x, xb, i: ops.linear_q(x, ws[i], None, 0, 0, p, None)
+        qs = int8 if prec == "int8" else (int4_torch if p == "torch:quant" else int4_native)
+        if p == "torch:quant":
+            return lambda x, xb, i: quant.qlinear(x, qs[i], "kernel")
+        return lambda x, xb, i: ops.linear_q(x, qs[i].data, qs[i].scales, qs[i].group_size or 0, n, p, None)
+
+    amx = kernels.amx_present()
+    cands = {prec: {p: runner(prec, p) for p in kernels.candidate_paths(prec, runnable, amx)}
+             for prec in kernels.PRECISIONS}
+    # Timed for the compute roofline only (not candidates): PyTorch's fp32 GEMM, and its bf16 products
+    # where they are not already a candidate (without AMX).
+    cands["fp32"] = {"torch:fp32": lambda x, xb, i: F.linear(x, full[i % len(full)])}
+    if "torch:bf16" not in cands["bf16"]:
+        cands["bf16"]["torch:bf16"] = runner("bf16", "torch:bf16")
+    times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
+    t0 = time.perf_counter()
+    for n_tok in kernels.TOKEN_POINTS:
+        x = torch.randn(n_tok, k, generator=g)
+        xb = x.bfloat16()
+        reps = max(2, 64 // n_tok)
+        best = {(prec, p): float("inf") for prec, ps in cands.items() for p in ps}
+        for ps in cands.values():
+            for f in ps.values():
+                f(x, xb, 0)  # warm-up (and the first call's allocations)
+        for _ in range(5):  # interleaved rounds; the best single call of each: the machine may be shared
+            for prec, ps in cands.items():
+                for p, f in ps.items():
+                    for i in range(reps):
+                        t = time.perf_counter()
+                        f(x, xb, i % _KERNEL_POOL)
+                        best[(prec, p)] = min(best[(prec, p)], time.perf_counter() - t)
+        for (prec, p), v in best.items():
+            times[prec][p][str(n_tok)] = v
+    flop = {str(t): 2.0 * t * n * k for t in kernels.TOKEN_POINTS}
+    peaks = {prec: {p: max(flop[t] / v for t, v in ts.items()) / 1e9 for p, ts in by.items()}
+             for prec, by in times.items()}
+    log.info("measured the kernel paths in %.1f s", time.perf_counter() - t0)
+    choice = {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
+              for prec, by in times.items() if prec in kernels.PRECISIONS}
+    return {"shape": [n, k], "group_size": group, "points": list(kernels.TOKEN_POINTS), "threads": torch.get_num_threads(),
+            "times_s": times, "peak_gflops": peaks, "table": kernels.choose_paths(choice)}

@@ -152,6 +152,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
     print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
           f"{s['steps']} steps, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
+    from engine.calibrate import memory_bandwidth_gbps
+    from engine.roofline import run_roofline
+
+    live = getattr(backend, "engine", None)  # the stub backend runs no tensors: no roofline
+    roof = run_roofline(live, result, memory_bandwidth_gbps()) if live is not None else None
+    if roof is not None:
+        comp = roof["compute_roofline_tokens_per_s"]
+        print(f"decode steps (median batch {roof['median_decode_batch']}): {roof['decode_tokens_per_s']:.1f} tok/s; "
+              f"roofline {roof['roofline_tokens_per_s']:.1f} ({roof['bound']}-bound: bandwidth "
+              f"{roof['bandwidth_roofline_tokens_per_s']:.1f}, compute " + (f"{comp:.1f}" if comp else "-")
+              + f"), {roof['roofline_fraction']:.0%} of it; {roof['bytes_per_step'] / 1e6:.0f} MB per step")
     pop = popularity(result)
     if args.popularity:
         print(_table(pop, ["layer", "tokens", "top10pct_share", "entropy_norm", "hottest"],
@@ -163,6 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"wrote {len(result.decisions or [])} decisions to {args.decisions}")
     full = result.to_dict()
     full["popularity"] = pop
+    full["roofline"] = roof
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(full, fh)
@@ -187,12 +199,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
           + (f" per rank, {res['ep_ranks']} expert-parallel ranks (weights: rank 0's share)"
              if res["ep_ranks"] > 1 else "")
           + f"; prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}")
-    print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "roofline_decode_tokens_per_s",
-                               "roofline_fraction", "achieved_gb_per_s", "mem_bw_gb_per_s",
+    print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "roofline_prefill_tokens_per_s", "decode_tokens_per_s",
+                               "bandwidth_roofline_decode_tokens_per_s", "compute_roofline_decode_tokens_per_s",
+                               "roofline_bound", "roofline_fraction", "achieved_gb_per_s", "achieved_gflop_per_s",
                                "decode_experts_touched_per_layer"],
-                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "roofline_decode_tokens_per_s": ".1f",
-                  "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "mem_bw_gb_per_s": ".1f",
+                 {"prefill_tokens_per_s": ".1f", "roofline_prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f",
+                  "bandwidth_roofline_decode_tokens_per_s": ".1f", "compute_roofline_decode_tokens_per_s": ".1f",
+                  "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "achieved_gflop_per_s": ".1f",
                   "decode_experts_touched_per_layer": ".1f"}))
+    row = res["rows"][-1]
+    print(f"memory read bandwidth {row['mem_bw_gb_per_s']:.1f} GB/s; decode products: dense "
+          f"{row['decode_paths']['dense']}, experts {row['decode_paths']['experts']}; "
+          f"{row['bytes_per_decode_step'] / 1e6:.0f} MB and {row['flop_per_decode_step'] / 1e9:.2f} GFLOP per step "
+          f"at batch {row['batch']} (KV cache {row['kv_bytes_per_decode_step'] / 1e6:.1f} MB, {res['kv_dtype']})")
     if res["ep_ranks"] > 1:  # decode steps: pairs per rank, max/mean per layer, combine bytes per step
         print(_table(res["rows"], ["batch", "ep_tokens_per_rank", "ep_imbalance", "ep_step_imbalance",
                                    "ep_bytes_combined_per_step"],
@@ -317,6 +336,12 @@ def cmd_compare_hf(args: argparse.Namespace) -> int:
     return compare_main(args)
 
 
+def cmd_gguf(args: argparse.Namespace) -> int:
+    from engine.compare_hf import gguf_main
+
+    return gguf_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine", description=__doc__.splitlines()[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -377,15 +402,28 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(b)
     b.set_defaults(fn=cmd_bench)
 
-    c = sub.add_parser("compare-hf", help="this engine vs Hugging Face transformers on the same checkpoint")
+    c = sub.add_parser("compare-hf", help="this engine vs transformers and llama.cpp on the same checkpoint")
     c.add_argument("--model", default="builtin:qwen3_moe-medium")
     c.add_argument("--batch", default="1,32")
     c.add_argument("--prompt-len", type=int, default=128)
     c.add_argument("--new-tokens", type=int, default=64)
     c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--rounds", type=int, default=2, help="repeat the whole comparison, systems interleaved")
+    c.add_argument("--threads", type=int, default=0, help="threads for every system (0 = PyTorch's default)")
+    c.add_argument("--systems", default="default",
+                   help="comma-separated subset of transformers, engine, engine_torch, engine_checkpoint, "
+                        "engine_int8, engine_int4, llama_bf16, llama_q8_0, llama_q4_0 (llama_* need "
+                        "llama-cpp-python); default: all but engine_checkpoint")
     c.add_argument("--staggered", type=int, default=32, help="requests in the staggered-arrivals comparison (0=skip)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_compare_hf)
+
+    gg = sub.add_parser("gguf", help="write GGUF files of a qwen3_moe checkpoint for llama.cpp (needs gguf)")
+    gg.add_argument("--model", default="builtin:qwen3_moe-medium")
+    gg.add_argument("--kinds", default="bf16,q8_0,q4_0")
+    gg.add_argument("--out", help="directory (default: the cache directory, where compare-hf looks)")
+    gg.add_argument("--json", action="store_true")
+    gg.set_defaults(fn=cmd_gguf)
 
     q = sub.add_parser("eval", help="quality of a config against the model's full-precision reference")
     q.add_argument("--prompts", help="a workload (path or builtin:<name>) whose prompts to score")

@@ -1,28 +1,59 @@
-"""``engine compare-hf``: this engine against Hugging Face transformers on one checkpoint, in one run.
+"""``engine compare-hf``: this engine against Hugging Face transformers and llama.cpp on one checkpoint.
 
-Both load the same checkpoint. transformers runs in the checkpoint's dtype (as users run it); the
-engine runs twice: in the checkpoint's dtype (same arithmetic) and with ``compute_dtype=auto`` (what
-it picks on this machine). For each batch size: prefill tokens/s (the first token's time) and decode
-tokens/s (the remaining tokens), the ratio engine/transformers, and the roofline. A second part
-replays staggered arrivals: the engine's continuous batching against transformers' static batches.
-transformers is a test extra, needed only for this command.
+Every system loads the same checkpoint (llama.cpp from GGUF files written from it, once, into the
+cache directory: :mod:`engine.llama_cpp`):
+
+* ``transformers``: transformers in the checkpoint's dtype (as users run it);
+* ``engine``: the engine's defaults (on a CPU: the native kernels read the stored bf16/fp16 weights);
+* ``engine_torch``: PyTorch's products only (``cpu_kernels=torch``: weights widened to the compute dtype);
+* ``engine_checkpoint``: PyTorch's products in the checkpoint's dtype (``compute_dtype=checkpoint``);
+* ``engine_int8`` / ``engine_int4``: experts in int8 / int4 (group 128), the rest as ``engine``;
+* ``llama_bf16`` / ``llama_q8_0`` / ``llama_q4_0``: llama.cpp through llama-cpp-python (an optional
+  extra: left out, and said so, where it is not installed).
+
+For each batch size B: B prompts are prefilled (prefill tokens/s: the first token's time) and decoded
+together (decode tokens/s: the median step), ``repeats`` times. Systems run one at a time (loaded,
+measured at every batch size, freed: the machine's memory need not hold them all), and the whole
+sequence is repeated ``rounds`` times so that drift shows; the figures are medians over all repeats,
+with each round's median kept. Each system's decode has a bandwidth roofline from the bytes it really
+reads (its precisions, its KV cache) and, for the engine and transformers, a compute roofline from the
+measured peak of its product paths (:mod:`engine.roofline`). A second part replays staggered arrivals:
+the engine's continuous batching against transformers' static batches. transformers is a test extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.bench import prefill_then_decode
 from engine.calibrate import memory_bandwidth_gbps
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
+from engine.env import cache_dir
 from engine.model.maker import resolve_model
+from engine.roofline import peak_gflops, roofline, step_cost
 from engine.runtime import Engine
+
+log = logging.getLogger(__name__)
+
+ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine_torch": {"cpu_kernels": "torch"},
+    "engine_checkpoint": {"compute_dtype": "checkpoint"},
+    "engine_int8": {"hi_precision": "int8"},
+    "engine_int4": {"hi_precision": "int4", "int4_group_size": 128},
+}
+LLAMA_SYSTEMS = {"llama_bf16": "bf16", "llama_q8_0": "q8_0", "llama_q4_0": "q4_0"}
+SYSTEMS = ("transformers", *ENGINE_SYSTEMS, *LLAMA_SYSTEMS)
+DEFAULT_SYSTEMS = ("transformers", "engine", "engine_torch", "engine_int8", "engine_int4", *LLAMA_SYSTEMS)
 
 
 class _StepClock:
@@ -58,48 +89,223 @@ def _engine_generate(engine: Engine, prompts: list[list[int]], new_tokens: int) 
     return prefill_then_decode(engine, prompts, new_tokens)
 
 
-def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+def gguf_file(model_dir: Path, fingerprint: str, kind: str) -> Path:
+    """The GGUF file of ``kind`` for a checkpoint, written into the cache directory on first use."""
+    from engine import llama_cpp
+
+    path = cache_dir() / "gguf" / f"{model_dir.name}-{fingerprint[:12]}-{kind}.gguf"
+    if not path.exists():
+        log.info("writing %s (once)", path)
+        tmp = path.with_suffix(".tmp")
+        llama_cpp.write_gguf(model_dir, tmp, kind)
+        tmp.replace(path)
+    return path
+
+
+class _System:
+    """One system loaded for one round: ``run(prompts)`` -> (prefill s, decode step s)."""
+
+    def __init__(self, name: str, path: Path, max_batch: int, ctx_len: int, threads: int):
+        self.name = name
+        self.engine: Engine | None = None
+        self.hf = self.llama = None
+        self.gguf: Path | None = None
+        t = time.perf_counter()
+        if name == "transformers":
+            from transformers import AutoModelForCausalLM
+
+            self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").eval()
+        elif name in ENGINE_SYSTEMS:
+            self.engine = Engine(path, EngineConfig().replace(**ENGINE_SYSTEMS[name]))
+        else:
+            from engine import llama_cpp
+            from engine.model.checkpoint import Checkpoint
+
+            self.gguf = gguf_file(path, Checkpoint(path).fingerprint(), LLAMA_SYSTEMS[name])
+            self.llama = llama_cpp.LlamaCpp(self.gguf, max_batch, ctx_len, threads)
+        self.load_s = time.perf_counter() - t
+
+    def run(self, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
+        if self.hf is not None:
+            return _hf_generate(self.hf, prompts, new_tokens)
+        if self.engine is not None:
+            return _engine_generate(self.engine, prompts.tolist(), new_tokens)
+        prefill_s, steps, _ = self.llama.generate(prompts.tolist(), new_tokens)
+        return prefill_s, steps
+
+    def describe(self) -> dict[str, Any]:
+        if self.engine is not None:
+            e = self.engine
+            return {"compute_dtype": str(e.dtype).replace("torch.", ""),
+                    "weight_dtype": str(e.weight_dtype).replace("torch.", ""),
+                    "experts": e.model.hybrid.hi if e.model.hybrid is not None else
+                    str(e.weight_dtype).replace("torch.", ""),
+                    "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "cpu_kernels": e.kernels_label}
+        if self.hf is not None:
+            return {"dtype": str(self.hf.dtype).replace("torch.", ""), "transformers": _version("transformers")}
+        return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python")}
+
+    def close(self) -> None:
+        if self.llama is not None:
+            self.llama.close()
+        if self.engine is not None and self.engine.model.hybrid is not None:
+            self.engine.model.hybrid.close()
+        self.engine = self.hf = self.llama = None
+        gc.collect()
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: int, bw: float,
+              touched: float | None) -> dict[str, Any]:
+    """The decode roofline of one system at one batch size, from the bytes it reads."""
+    context = prompt_len + new_tokens / 2
+    expected = spec.n_experts * (1.0 - (1.0 - spec.top_k / spec.n_experts) ** batch)
+    if system.engine is not None:
+        r = roofline(step_cost(system.engine, batch, system.engine.model.stats.mean_distinct() or expected, context), bw)
+    elif system.gguf is not None:
+        from engine import llama_cpp
+
+        g = llama_cpp.gguf_bytes_per_token(system.gguf, spec.n_experts, spec.top_k, touched or expected)
+        kv = spec.kv_bytes_per_token(2) * batch * context  # llama.cpp's KV cache is f16
+        b = g["bytes_per_step"] + kv
+        r = {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": batch * bw * 1e9 / b,
+             "compute_roofline_tokens_per_s": None, "bound": "bandwidth"}
+        r["roofline_tokens_per_s"] = r["bandwidth_roofline_tokens_per_s"]
+    else:  # transformers: bf16 weights and KV cache, bf16 products
+        t = touched or expected
+        b = spec.weight_bytes_touched(batch, 2, t) + spec.kv_bytes_per_token(2) * batch * context
+        peak = peak_gflops("bf16/torch:bf16")
+        flop = 2.0 * spec.active_params_per_token() * batch + 4.0 * spec.q_size * batch * context * spec.n_layers
+        bw_tps, comp = batch * bw * 1e9 / b, (batch / (flop / (peak * 1e9)) if peak else None)
+        r = {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": bw_tps, "compute_roofline_tokens_per_s": comp,
+             "roofline_tokens_per_s": min(bw_tps, comp or bw_tps),
+             "bound": "compute" if comp and comp < bw_tps else "bandwidth"}
+    return r
+
+
+def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, rounds: int = 1,
+            systems: tuple[str, ...] = DEFAULT_SYSTEMS) -> dict[str, Any]:
+    """Measure every system at every batch size; see the module docstring."""
+    from engine import llama_cpp
+    from engine.model.checkpoint import Checkpoint
 
     path = resolve_model(model)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").eval()
-    engines = {
-        "engine_same_dtype": Engine(path, EngineConfig().replace(compute_dtype="checkpoint")),
-        "engine_auto": Engine(path, EngineConfig()),
-    }
-    if (engines["engine_auto"].dtype, engines["engine_auto"].weight_dtype) == \
-            (engines["engine_same_dtype"].dtype, engines["engine_same_dtype"].weight_dtype):
-        del engines["engine_auto"]
-    bw = memory_bandwidth_gbps()
-    spec = engines["engine_same_dtype"].spec
+    spec = Checkpoint(path).spec
+    skipped: dict[str, str] = {}
+    why = llama_cpp.available()
+    if why is not None:
+        skipped.update({s: why for s in systems if s in LLAMA_SYSTEMS})
+    names = [s for s in systems if s not in skipped]
+    bw = memory_bandwidth_gbps(fresh=True)  # measured in this run
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(3, spec.vocab_size, (b, prompt_len), generator=g) for b in batches}
+    runs: dict[str, dict[int, list[list[tuple[float, list[float]]]]]] = {n: {b: [] for b in batches} for n in names}
+    info: dict[str, Any] = {}
+    touched: dict[int, float] = {}  # the engine's measured distinct experts per layer per step, by batch
+    rooflines: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    later: dict[str, Path | None] = {}  # peers: rooflines once the engine measured the experts touched
+    for rnd in range(rounds):
+        for name in names:
+            try:
+                sysm = _System(name, path, max(batches), prompt_len + new_tokens + 8, threads)
+            except Exception as e:  # a peer that cannot load this checkpoint: say so, measure the others
+                skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("compare: %s left out (%s)", name, skipped[name])
+                continue
+            info.setdefault(name, {**sysm.describe(), "load_s": []})["load_s"].append(sysm.load_s)
+            for b in batches:
+                sysm.run(prompts[b][:, : min(prompt_len, 16)], 3)  # warm-up: first-call costs are not speed
+                per_round = []
+                for _ in range(repeats):
+                    per_round.append(sysm.run(prompts[b], new_tokens))
+                runs[name][b].append(per_round)
+                if sysm.engine is not None and name == "engine":
+                    touched[b] = sysm.engine.model.stats.mean_distinct()
+                if rnd == 0 and sysm.engine is not None:  # its bytes come from the loaded model
+                    rooflines[name][b] = _roofline(sysm, spec, b, prompt_len, new_tokens, bw, touched.get(b))
+            if rnd == 0 and sysm.engine is None:
+                later[name] = sysm.gguf
+            sysm.close()
+            log.info("compare: round %d, %s done", rnd + 1, name)
+    for name, gguf in later.items():
+        stub = _System.__new__(_System)
+        stub.engine, stub.gguf = None, gguf
+        for b in batches:
+            rooflines[name][b] = _roofline(stub, spec, b, prompt_len, new_tokens, bw, touched.get(b))
     rows = []
+    measured = [n for n in names if n not in skipped]
     for b in batches:
-        g = torch.Generator().manual_seed(b)
-        prompts = torch.randint(3, spec.vocab_size, (b, prompt_len), generator=g)
-        runs: dict[str, list[tuple[float, list[float]]]] = {"transformers": []}
-        for _ in range(repeats):
-            runs["transformers"].append(_hf_generate(hf, prompts, new_tokens))
-            for name, eng in engines.items():
-                runs.setdefault(name, []).append(_engine_generate(eng, prompts.tolist(), new_tokens))
         row: dict[str, Any] = {"batch": b}
-        for name, rs in runs.items():
-            row[f"{name}_prefill_tokens_per_s"] = statistics.median(b * prompt_len / f for f, _ in rs)
-            row[f"{name}_decode_tokens_per_s"] = statistics.median(b / statistics.median(s) for _, s in rs)
-        for name in engines:
-            row[f"{name}_decode_x"] = row[f"{name}_decode_tokens_per_s"] / row["transformers_decode_tokens_per_s"]
-            row[f"{name}_prefill_x"] = row[f"{name}_prefill_tokens_per_s"] / row["transformers_prefill_tokens_per_s"]
-        for name, eng in engines.items():
-            dtype_bytes = eng.weight_dtype.itemsize  # the bytes its products read
-            touched = eng.model.stats.mean_distinct() or None
-            row[f"{name}_roofline_decode_tokens_per_s"] = (
-                b * bw * 1e9 / spec.weight_bytes_touched(b, dtype_bytes, touched))
+        for n in measured:
+            all_runs = [r for rnd in runs[n][b] for r in rnd]
+            if not all_runs:
+                continue
+            row[f"{n}_prefill_tokens_per_s"] = statistics.median(b * prompt_len / f for f, _ in all_runs)
+            row[f"{n}_decode_tokens_per_s"] = statistics.median(b / statistics.median(s) for _, s in all_runs)
+            row[f"{n}_decode_tokens_per_s_rounds"] = [statistics.median(b / statistics.median(s) for _, s in rnd)
+                                                      for rnd in runs[n][b]]
+            row[f"{n}_prefill_tokens_per_s_rounds"] = [statistics.median(b * prompt_len / f for f, _ in rnd)
+                                                       for rnd in runs[n][b]]
+            rf = rooflines[n].get(b)
+            if rf:
+                row[f"{n}_roofline"] = rf
+                row[f"{n}_roofline_fraction"] = row[f"{n}_decode_tokens_per_s"] / rf["roofline_tokens_per_s"]
+                row[f"{n}_bandwidth_roofline_fraction"] = (row[f"{n}_decode_tokens_per_s"]
+                                                           / rf["bandwidth_roofline_tokens_per_s"])
         rows.append(row)
-    return {"model": str(path), "arch": spec.arch, "checkpoint_dtype": str(hf.dtype).replace("torch.", ""),
-            "engines": {n: str(e.dtype).replace("torch.", "") for n, e in engines.items()},
-            "engine_weight_dtypes": {n: str(e.weight_dtype).replace("torch.", "") for n, e in engines.items()},
-            "engine_kernels": {n: e.kernels_label for n, e in engines.items()},
-            "threads": torch.get_num_threads(), "mem_bw_gb_per_s": bw, "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "repeats": repeats, "rows": rows}, hf, engines
+    from engine import kernels
+
+    res = {"model": str(path), "arch": spec.arch, "systems": info, "skipped": skipped, "threads": threads,
+           "mem_bw_gb_per_s": bw, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+           "rounds": rounds, "rows": rows, "kernel_dispatch": kernels.dispatch_report()}
+    res["targets"] = targets(res)
+    return res
+
+
+def _ratio(row: dict[str, Any], a: str, b: str) -> float | None:
+    return row[a] / row[b] if a in row and b in row and row[b] else None
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The CPU-speed targets (issue 14), each with the measured value, the goal and whether it is met."""
+    by_batch = {r["batch"]: r for r in res["rows"]}
+    out = []
+
+    def add(what: str, value: float | None, goal: float) -> None:
+        out.append({"target": what, "value": value, "goal": goal,
+                    "met": None if value is None else value >= goal})
+
+    if 1 in by_batch:
+        r = by_batch[1]
+        add("decode b=1 bf16: fraction of the bandwidth roofline", r.get("engine_bandwidth_roofline_fraction"), 0.85)
+        add("decode b=1 bf16: x llama.cpp bf16", _ratio(r, "engine_decode_tokens_per_s", "llama_bf16_decode_tokens_per_s"),
+            1.25)
+        add("int8 experts b=1: x llama.cpp q8_0", _ratio(r, "engine_int8_decode_tokens_per_s",
+                                                         "llama_q8_0_decode_tokens_per_s"), 1.2)
+        add("int4 experts b=1: x int8 experts", _ratio(r, "engine_int4_decode_tokens_per_s",
+                                                       "engine_int8_decode_tokens_per_s"), 1.0)
+        add("int4 experts b=1: x llama.cpp q4_0", _ratio(r, "engine_int4_decode_tokens_per_s",
+                                                         "llama_q4_0_decode_tokens_per_s"), 1.0)
+        add("prefill b=1: x transformers bf16", _ratio(r, "engine_prefill_tokens_per_s",
+                                                       "transformers_prefill_tokens_per_s"), 2.0)
+    big = max(by_batch) if by_batch else None
+    if big and big > 1:
+        r = by_batch[big]
+        add(f"decode b={big} bf16: x llama.cpp bf16", _ratio(r, "engine_decode_tokens_per_s",
+                                                            "llama_bf16_decode_tokens_per_s"), 2.5)
+        add(f"decode b={big} bf16: fraction of the binding roofline", r.get("engine_roofline_fraction"), 0.6)
+        add(f"int8 experts b={big}: x llama.cpp q8_0", _ratio(r, "engine_int8_decode_tokens_per_s",
+                                                             "llama_q8_0_decode_tokens_per_s"), 1.2)
+    return out
 
 
 def staggered(hf, engine: Engine, n_requests: int, prompt_len: int, new_tokens: int, rate_per_s: float,
@@ -156,27 +362,56 @@ def staggered(hf, engine: Engine, n_requests: int, prompt_len: int, new_tokens: 
     }
 
 
+def _parse_systems(text: str) -> tuple[str, ...]:
+    if text == "default":
+        return DEFAULT_SYSTEMS
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in names if s not in SYSTEMS]
+    if bad or not names:
+        raise ConfigError(f"--systems={text!r}: {bad[0] if bad else 'empty'} is not one of {', '.join(SYSTEMS)}")
+    return names
+
+
 def main(args: argparse.Namespace) -> int:
-    batches = [int(b) for b in args.batch.split(",")]
-    res, hf, engines = compare(args.model, batches, args.prompt_len, args.new_tokens, args.repeats)
-    print(f"model {res['model']} ({res['arch']}, stored {res['checkpoint_dtype']}), prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, {res['threads']} threads, median of {args.repeats}; "
-          f"memory read bandwidth {res['mem_bw_gb_per_s']:.1f} GB/s")
-    names = ["transformers"] + list(res["engines"])
-    for n in res["engines"]:
-        print(f"  {n}: {res['engines'][n]} products of {res['engine_weight_dtypes'][n]} weights, "
-              f"{res['engine_kernels'][n]} kernels")
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
+    systems = _parse_systems(args.systems)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = compare(args.model, batches, args.prompt_len, args.new_tokens, args.repeats, args.rounds, systems)
+    print(f"model {res['model']} ({res['arch']}), prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          f"{res['threads']} threads, medians of {args.repeats} x {args.rounds} rounds; memory read bandwidth "
+          f"{res['mem_bw_gb_per_s']:.1f} GB/s")
+    for n, d in res["systems"].items():
+        print(f"  {n}: " + ", ".join(f"{k} {v}" for k, v in d.items() if k != "load_s"))
+    for n, why in res["skipped"].items():
+        print(f"  {n}: not measured ({why})")
     for row in res["rows"]:
         print(f"batch {row['batch']}:")
-        for n in names:
-            dt = res["checkpoint_dtype"] if n == "transformers" else res["engines"][n]
-            extra = "" if n == "transformers" else (f"  ({row[f'{n}_prefill_x']:.2f}x prefill, "
-                                                    f"{row[f'{n}_decode_x']:.2f}x decode; roofline "
-                                                    f"{row[f'{n}_roofline_decode_tokens_per_s']:.1f} tok/s)")
-            print(f"  {n:<18} {dt:<9} prefill {row[f'{n}_prefill_tokens_per_s']:8.1f} tok/s  "
-                  f"decode {row[f'{n}_decode_tokens_per_s']:7.1f} tok/s{extra}")
-    if args.staggered:
-        eng = engines.get("engine_auto") or engines["engine_same_dtype"]
+        for n in res["systems"]:
+            if f"{n}_decode_tokens_per_s" not in row:
+                continue
+            rf = row.get(f"{n}_roofline", {})
+            comp = rf.get("compute_roofline_tokens_per_s")
+            rounds = " / ".join(f"{v:.1f}" for v in row[f"{n}_decode_tokens_per_s_rounds"])
+            print(f"  {n:<18} prefill {row[f'{n}_prefill_tokens_per_s']:8.1f} tok/s  decode "
+                  f"{row[f'{n}_decode_tokens_per_s']:7.1f} tok/s (rounds {rounds}); roofline: bandwidth "
+                  f"{rf.get('bandwidth_roofline_tokens_per_s', float('nan')):.1f}, compute "
+                  + (f"{comp:.1f}" if comp else "-")
+                  + f" tok/s, {row.get(f'{n}_roofline_fraction', float('nan')):.0%} of the binding one")
+    print("targets:")
+    for t in res["targets"]:
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        state = "not measured" if t["met"] is None else ("met" if t["met"] else f"missed by {t['goal'] - t['value']:.2f}")
+        print(f"  {t['target']}: {v} (goal {t['goal']}) {state}")
+    if args.staggered and "transformers" in systems:
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model(args.model)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").eval()
+        eng = Engine(path, EngineConfig())
         st = staggered(hf, eng, args.staggered, 64, 32, rate_per_s=2.0, static_batch=8)
         res["staggered"] = st
         print(f"staggered arrivals ({st['requests']} requests, Poisson {st['rate_per_s']}/s, prompt 64, 32 new):")
@@ -187,4 +422,28 @@ def main(args: argparse.Namespace) -> int:
                   f"{s['output_tokens_per_s']:.1f} tok/s")
     if args.json:
         print(json.dumps(res))
+    return 0
+
+
+def gguf_main(args: argparse.Namespace) -> int:
+    """``engine gguf``: write GGUF files of a checkpoint for llama.cpp."""
+    from engine import llama_cpp
+    from engine.model.checkpoint import Checkpoint
+
+    path = resolve_model(args.model)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in llama_cpp.GGUF_KINDS]
+    if bad:
+        raise ConfigError(f"--kinds: {bad[0]!r} is not one of {', '.join(llama_cpp.GGUF_KINDS)}")
+    out_dir = Path(args.out) if args.out else None
+    written = []
+    for k in kinds:
+        if out_dir is None:
+            p = gguf_file(path, Checkpoint(path).fingerprint(), k)
+        else:
+            p = llama_cpp.write_gguf(path, out_dir / f"{path.name}-{k}.gguf", k)
+        written.append({"kind": k, "path": str(p), "bytes": p.stat().st_size})
+        print(f"wrote {p} ({p.stat().st_size / 2**20:.0f} MiB, {k})")
+    if args.json:
+        print(json.dumps({"model": str(path), "files": written}))
     return 0

@@ -88,6 +88,12 @@ class RuntimeConfig:
         "auto = native when it builds here.",
         search=Search(choices=("auto", "torch")),
     )
+    kv_dtype: Literal["auto", "float32", "bfloat16"] = knob(
+        "auto",
+        "Precision of the KV cache: auto = the compute dtype; bfloat16 halves the cache's bytes (memory and "
+        "the bytes decode attention reads) at a quality cost that `engine eval` measures.",
+        search=Search(choices=("auto", "bfloat16")),
+    )
     threads: int = knob(
         0, "Host threads for PyTorch ops (0 = every core this process may use).", min=0, max=1024)
     seed: int = knob(0, "Seed for sampling and for synthesised prompt tokens.", min=0, max=2**31 - 1)

@@ -49,7 +49,11 @@ def _kernels() -> dict[str, Any]:
 
     t = time.perf_counter()
     st = kernels.status()  # builds on first use: the time says whether it was cached
-    return {**st, "compiler_version": _compiler_version(st["compiler"]), "load_s": round(time.perf_counter() - t, 3)}
+    out = {**st, "compiler_version": _compiler_version(st["compiler"]), "load_s": round(time.perf_counter() - t, 3)}
+    # The chosen path per precision and token-count range (measured once per machine, then cached).
+    out["dispatch"] = kernels.dispatch_report() if st["available"] else None
+    out["dispatch_summary"] = kernels.dispatch_summary() if st["available"] else None
+    return out
 
 
 def _compute_dtype(hidden: int, inter: int) -> dict[str, Any]:
@@ -146,6 +150,27 @@ def diagnose(hidden: int = REFERENCE_HIDDEN, inter: int = REFERENCE_INTER) -> di
     return report
 
 
+def _dispatch_lines(d: dict[str, Any] | None) -> list[str]:
+    """The chosen path per precision and token-count range, the measured peaks, AMX."""
+    if not d or not d.get("available"):
+        return []
+    lines = [f"          variants compiled {' '.join(d['compiled'])}; runnable here {' '.join(d['runnable'])}",
+             f"          AMX {d['amx']['detail']}"]
+    shape = d.get("measured_shape")
+    lines.append("paths     (measured" + (f" on a {shape[0]}x{shape[1]} product" if shape else "")
+                 + f" at {', '.join(map(str, d.get('token_points') or []))} tokens)")
+    for prec, t in d["paths"].items():
+        lo, parts = 1, []
+        for upper, p in t["ranges"]:
+            parts.append(f"{lo}-{upper} tokens {p}" if upper is not None else f"{lo}+ tokens {p}")
+            lo = (upper or 0) + 1
+        forced = d["forced"].get(prec)
+        peaks = d["peak_gflops"].get(prec, {})
+        lines.append(f"          {prec:<5} " + (f"{forced} (forced)" if forced else "; ".join(parts))
+                     + (" | peak " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()) if peaks else ""))
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     """The readable part of ``engine doctor``."""
     cpu, k, cd = r["cpu"], r["kernels"], r["compute_dtype"]
@@ -160,6 +185,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"          compiler {k['compiler'] or 'none'}" + (f" ({k['compiler_version']})" if k["compiler_version"] else ""),
         f"threads   OpenMP waits {r['omp_wait_policy']}",
     ]
+    lines += _dispatch_lines(k.get("dispatch"))
     for name in ("bfloat16", "float16"):
         d = cd[name]
         times = d["times_s"]

@@ -20,18 +20,20 @@ from engine.runtime import Engine
 
 
 def reference_config(config: EngineConfig) -> EngineConfig:
-    """The full-precision reference: fp32, every expert resident as loaded, the model's own routing."""
+    """The full-precision reference: fp32 products and KV cache, every expert resident as loaded, the
+    model's own routing."""
     fresh = EngineConfig()
     return EngineConfig.from_dict({
         **config.to_dict(), "experts": fresh.to_dict()["experts"], "execution": fresh.to_dict()["execution"],
         "routing": fresh.to_dict()["routing"],
-        "runtime": {**config.to_dict()["runtime"], "compute_dtype": "float32"}}, source="reference")
+        "runtime": {**config.to_dict()["runtime"], "compute_dtype": "float32", "kv_dtype": "float32"}},
+        source="reference")
 
 
 @torch.inference_mode()
 def prompt_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """Teacher-forced next-token logits at every position of ``prompt``: [len, V] fp32 on the CPU."""
-    cache = KVCache(engine.spec, 1, len(prompt) + 1, engine.dtype, engine.cache.device)
+    cache = KVCache(engine.spec, 1, len(prompt) + 1, engine.cache.dtype, engine.cache.device)
     dev = engine.device
     batch = StepBatch(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev),
                       [Segment(0, 0, len(prompt), 0, True)], all_logits=True)

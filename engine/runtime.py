@@ -17,7 +17,7 @@ import torch
 from engine.calibrate import cpu_compute_dtype
 from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain, uses_hotness
 from engine.model.checkpoint import Checkpoint
-from engine.model.decoder import KVCache, MoEDecoder, StepBatch
+from engine.model.decoder import KVCache, MoEDecoder, StepBatch, kv_dtype
 from engine.model.maker import resolve_model
 from engine.moe.planning import plan_settings
 from engine.precision import precision_of, torch_dtype
@@ -141,11 +141,12 @@ class Engine:
 
     @property
     def kernels_label(self) -> str:
-        """Which products run and why: "native (avx2)" (engine.kernels) or "torch (<reason>)"."""
+        """Which products run and why: "native (<ISA>; <path per precision and token count>)"
+        (:func:`engine.kernels.dispatch_summary`) or "torch (<reason>)"."""
         from engine import kernels
 
         if self.model.native:
-            return f"native ({kernels.status()['isa']})"
+            return f"native ({kernels.dispatch_summary()})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"
         if self.config.runtime.cpu_kernels == "torch":
@@ -249,7 +250,8 @@ class Engine:
         cache_device = self.device
         if self.device.type == "cuda" and self.config.execution.decode_attention == "host":
             cache_device = torch.device("cpu")
-        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, cache_device)
+        self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens,
+                             kv_dtype(self.config.runtime.kv_dtype, self.dtype), cache_device)
         self.seqs = SequenceTable(s, self.spec.vocab_size)
         self.last_token_owners: list[tuple[str, int, int]] = []
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.runtime.seed)

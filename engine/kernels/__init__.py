@@ -1,4 +1,4 @@
-"""moetune's native CPU kernels: fp32 products that read bf16/fp16 weights as stored.
+"""moetune's native CPU kernels: fp32 products that read bf16/fp16/int8/int4 weights as stored.
 
 ``cpu_kernels.cpp`` is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``)
 against the installed PyTorch, for this CPU (``-march=native``), and kept in the cache directory
@@ -8,13 +8,20 @@ the two cases apart: no C++ compiler at all (``missing``: the engine may widen w
 PyTorch's products, and says so in every result) and a compiler whose build or load fails (``broken``:
 a bug, which the engine refuses to paper over; see ``runtime.cpu_kernels``).
 
-The mechanism only: whether the engine uses the kernels is the ``runtime.cpu_kernels`` knob.
+One library holds the kernels for several instruction sets (scalar, AVX2, AVX-VNNI, AVX-512,
+AVX512_VNNI, AVX512_BF16; see the source's header); the library picks the best one this CPU runs
+from CPUID (:func:`variants`). Which *path* a product takes (ISA variant and arithmetic mode, or
+PyTorch's GEMM) is chosen per precision and token count from measurements made once per machine
+(:func:`prepare`, cached by ``engine.calibrate.kernel_paths``); :func:`dispatch_report` says what was
+chosen and why. The mechanism only: whether the engine uses the kernels is the ``runtime.cpu_kernels``
+knob.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -22,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,13 +42,19 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-# Above this many tokens a product widens the weight and calls PyTorch's GEMM (MKL), which has the
-# better compute kernel once the weight's bytes are shared by enough tokens (measured: at 128 tokens
-# MKL's fp32 GEMM is ~1.6x the native kernel; at 32 they are even; below it the native one wins).
 MAX_NATIVE_TOKENS = 32
-# The same bound for a MoE layer's fused call, in tokens per expert on average: above it the decoder
-# runs experts one by one on PyTorch's GEMM (long prompt chunks).
+"""fp32 products (routers) up to this many tokens run on the native kernels, above it on PyTorch's GEMM.
+Products of bf16/fp16/int8/int4 weights follow the measured paths instead (:func:`path`)."""
 MAX_NATIVE_TOKENS_PER_EXPERT = 32
+"""Kept for callers of the previous API: the measured crossover now decides (:func:`fused_moe`)."""
+
+ISA_VARIANTS = ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16")
+"""The ISA variants compiled into the library, from least to most preferred."""
+PRECISIONS = ("bf16", "fp16", "int8", "int4")
+"""Weight precisions the native products read."""
+TOKEN_POINTS = (1, 4, 16, 64, 256)
+"""Tokens per product at which the paths are measured; a token count between two points takes the
+path of the nearer one (geometric midpoints)."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -144,36 +159,302 @@ def reads_natively(w: torch.Tensor, x: torch.Tensor) -> bool:
             and x.device.type == "cpu")
 
 
+# ------------------------------------------------------------------------------ ISA variants and paths
+def variants() -> dict[str, list[str]]:
+    """The ISA variants compiled into the library and those this CPU runs (CPUID and XGETBV)."""
+    compiled, runnable = ops().variants()
+    return {"compiled": list(compiled), "runnable": list(runnable)}
+
+
+def cpu_features() -> list[str]:
+    """What CPUID and XGETBV report that the kernels care about (``avx2``, ``avx512_bf16``, ``amx_tile``, ...)."""
+    return list(ops().cpu_features())
+
+
+def amx_present() -> bool:
+    """Whether this CPU has AMX tiles for bf16 and the OS enables their state (CPUID, XGETBV)."""
+    return {"amx_tile", "amx_bf16", "os_amx"} <= set(cpu_features())
+
+
+_PRECISION_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8", torch.uint8: "int4"}
+
+
+def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> list[str]:
+    """Every path a product of ``precision`` weights can take on a CPU running ``runnable`` variants.
+
+    Native paths are ``"variant:mode"`` (modes: ``f32`` fp32 products of weights widened in registers;
+    ``q8`` int8 dot products of activations quantized per block of 32; ``bf16dp`` vdpbf16ps on
+    activations rounded to bf16). PyTorch's: ``torch:widen`` (its fp32 GEMM on a copy of the weight
+    widened per call), ``torch:bf16`` (oneDNN's bf16 products on AMX: only where ``amx``, the CPU
+    has AMX tiles) and ``torch:quant`` (its packed int8/int4 kernels on bf16 activations). A variant
+    that differs from a lower one only in instructions a mode does not use is not listed for that mode.
+    """
+    f32 = [v for v in runnable if v in ("avx2", "avx512")] or ["scalar"]
+    q8 = [v for v in runnable if v in ("avx2", "avx_vnni", "avx512", "avx512_vnni")] or ["scalar"]
+    if precision == "bf16":
+        return ([f"{v}:f32" for v in f32] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in runnable else [])
+                + ["torch:widen"] + (["torch:bf16"] if amx else []))
+    if precision == "fp16":
+        return [f"{v}:f32" for v in f32] + ["torch:widen"]
+    if precision == "int8":
+        return [f"{v}:f32" for v in f32] + [f"{v}:q8" for v in q8] + ["torch:quant"]
+    if precision == "int4":
+        return [f"{v}:q8" for v in q8] + ["torch:quant"]
+    raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def _boundaries(points: tuple[int, ...]) -> list[int]:
+    """Largest token count served by each measured point: the geometric midpoints between points."""
+    return [int(math.sqrt(a * b)) for a, b in zip(points, points[1:], strict=False)]
+
+
+def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS
+                 ) -> dict[str, dict[str, object]]:
+    """The path table from measured times (pure: no torch, no device). ``times_s[precision][path][str(T)]``
+    is the best time of one product of ``T`` tokens.
+
+    Per precision: one native arithmetic mode for every token count (so that a result does not depend
+    on how a step's tokens are split), the one with the smallest geometric-mean slowdown against the
+    fastest native path over the points; then per point the fastest of that mode's variants and of
+    PyTorch's paths. int4 is all-native or all-PyTorch (the two read different layouts), decided at one
+    token (decode). ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
+    """
+    bounds = _boundaries(points)
+    table: dict[str, dict[str, object]] = {}
+    for prec, by_path in times_s.items():
+        native = {p: t for p, t in by_path.items() if not p.startswith("torch:")}
+        torch_paths = {p: t for p, t in by_path.items() if p.startswith("torch:")}
+        best = {str(n): min(t[str(n)] for t in native.values()) for n in points}
+
+        def slowdown(mode: str, native=native, best=best) -> float:
+            return sum(math.log(min(t[str(n)] for p, t in native.items() if p.endswith(":" + mode)) / best[str(n)])
+                       for n in points)
+
+        mode = min(sorted({p.split(":")[1] for p in native}), key=slowdown)
+        mine = {p: t for p, t in native.items() if p.endswith(":" + mode)}
+        native_best = [min(mine, key=lambda p, n=n: mine[p][str(n)]) for n in points]
+        if prec == "int4":
+            tq = torch_paths.get("torch:quant")
+            winners = (["torch:quant"] * len(points) if tq and tq[str(points[0])] < mine[native_best[0]][str(points[0])]
+                       else native_best)
+        else:
+            pool = {**mine, **torch_paths}
+            winners = [min(pool, key=lambda p, n=n: pool[p][str(n)]) for n in points]
+        ranges: list[list[object]] = []
+        for i, w in enumerate(winners):
+            upper = bounds[i] if i < len(bounds) else None
+            if ranges and ranges[-1][1] == w:
+                ranges[-1][0] = upper
+            else:
+                ranges.append([upper, w])
+        native_ranges = [[bounds[i] if i < len(bounds) else None, w] for i, w in enumerate(native_best)]
+        crossover = None
+        for i in range(len(points)):
+            if all(w.startswith("torch:") for w in winners[i:]):
+                crossover = 1 if i == 0 else bounds[i - 1] + 1
+                break
+        table[prec] = {"mode": mode, "ranges": ranges, "native_ranges": native_ranges, "crossover_tokens": crossover}
+    return table
+
+
+_forced: dict[str, str] = {}
+
+
+@contextmanager
+def forced_paths(**by_precision: str) -> Iterator[None]:
+    """Use a fixed path for the named precisions whatever the token count (tests; comparisons of paths).
+    A value without a colon is a mode on the default variant (``bf16="f32"``)."""
+    before = dict(_forced)
+    _forced.update({p: v if ":" in v else f":{v}" for p, v in by_precision.items()})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(before)
+
+
+def prepare() -> dict[str, dict[str, object]]:
+    """The path table for this machine, software and thread count: measured once (a few seconds) and
+    cached by :func:`engine.calibrate.kernel_paths`; the engine calls this when it loads a model."""
+    threads = torch.get_num_threads()
+    if _state.get("paths_threads") != threads:
+        from engine.calibrate import kernel_paths
+
+        _state["paths"] = kernel_paths()
+        _state["paths_threads"] = threads
+    return _state["paths"]["table"]  # type: ignore[index]
+
+
+def _lookup(ranges: list[list[object]], tokens: int) -> str:
+    for upper, p in ranges:
+        if upper is None or tokens <= upper:  # type: ignore[operator]
+            return str(p)
+    return str(ranges[-1][1])
+
+
+def path(precision: str, tokens: int) -> str:
+    """The path a product of ``precision`` weights with ``tokens`` activation rows takes here."""
+    forced = _forced.get(precision)
+    if forced is not None:
+        return forced
+    return _lookup(prepare()[precision]["ranges"], tokens)  # type: ignore[arg-type]
+
+
+def native_path(precision: str, tokens: int) -> str:
+    """The fastest native path for ``precision`` at ``tokens`` (even where PyTorch's is faster)."""
+    forced = _forced.get(precision)
+    if forced is not None and not forced.startswith("torch:"):
+        return forced
+    return _lookup(prepare()[precision]["native_ranges"], tokens)  # type: ignore[arg-type]
+
+
+def _fit(p: str, inner: int) -> str:
+    """q8 and bf16dp read blocks of 32 activations: other inner sizes take the f32 mode."""
+    if inner % 32 and (p.endswith(":q8") or p.endswith(":bf16dp")):
+        return p.split(":")[0] + ":f32"
+    return p
+
+
+# ------------------------------------------------------------------------------ products
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that also takes bf16/fp16 weights with fp32 activations (computed in fp32)."""
+    """``F.linear`` that also takes bf16/fp16 weights with fp32 activations (computed in fp32 on the
+    measured path for this token count: native, or PyTorch's GEMM on the widened weight)."""
     if w.dtype == x.dtype:
         return F.linear(x, w, bias)
     if not reads_natively(w, x):
         raise TypeError(f"linear: {x.dtype} activations with {w.dtype} weights on {w.device}")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_NATIVE_TOKENS:
+    p = path(_PRECISION_OF[w.dtype], rows.shape[0])
+    if p == "torch:widen":
         y = F.linear(rows, w.to(x.dtype), bias)
+    elif p == "torch:bf16":
+        y = F.linear(rows.to(w.dtype), w).to(x.dtype)
+        if bias is not None:
+            y = y + bias
     else:
-        y = load().linear(rows.contiguous(), w, bias)
+        y = load().linear_q(rows.contiguous(), w, None, 0, 0, _fit(p, w.shape[1]), bias)
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def linear_q(x: torch.Tensor, qw, force: bool = False) -> torch.Tensor | None:
+    """``x @ W.T`` in fp32 for an int8 or ``int4_native`` :class:`engine.moe.quant.QWeight` ``qw`` on the
+    native kernels, on the measured path for its precision and this token count. Returns None where
+    that path is PyTorch's (the caller runs ``quant.qlinear``), unless ``force`` (then the fastest
+    native path runs)."""
+    if qw.precision == "int4" and qw.layout != "int4_native":
+        if force:
+            raise ValueError(f"linear_q: int4 layout {qw.layout!r} is not the native kernels' (int4_native)")
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    p = path(qw.precision, rows.shape[0])
+    if p.startswith("torch:"):
+        if not force:
+            return None
+        p = native_path(qw.precision, rows.shape[0])
+    y = ops().linear_q(rows.contiguous(), qw.data, qw.scales, qw.group_size or 0, qw.shape[0],
+                       _fit(p, qw.shape[1]), None)
+    return y.reshape(*x.shape[:-1], qw.shape[0])
+
+
 def reads_int8(q: torch.Tensor, x: torch.Tensor) -> bool:
-    """True when the native int8 kernel takes ``x @ q.T``: int8 CPU weights, fp32 CPU activations, and
-    few enough tokens that a matrix-vector kernel pays (more go through dequantise-then-GEMM)."""
+    """True when :func:`linear_int8` takes ``x @ q.T``: int8 CPU weights, fp32 CPU activations, and a
+    token count whose measured int8 path is native."""
     return (q.dtype == torch.int8 and x.dtype == torch.float32 and q.device.type == "cpu"
-            and x.device.type == "cpu" and x.numel() // max(1, x.shape[-1]) <= MAX_NATIVE_TOKENS)
+            and x.device.type == "cpu" and not path("int8", x.numel() // max(1, x.shape[-1])).startswith("torch:"))
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scales[:, None]).T`` in fp32 for int8 ``q`` [N, K] with one scale per row."""
+    """``x @ (q * scales[:, None]).T`` in fp32 for int8 ``q`` [N, K] with one scale per row, on the
+    native int8 path measured fastest for this token count."""
     rows = x.reshape(-1, x.shape[-1])
-    y = ops().linear_int8(rows.contiguous(), q, scales)
+    y = ops().linear_q(rows.contiguous(), q, scales, 0, q.shape[0], _fit(native_path("int8", rows.shape[0]),
+                                                                         q.shape[1]), None)
     return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+def fused_moe(precision: str | torch.dtype, tokens_per_expert: float) -> bool:
+    """Whether a MoE layer whose experts see ``tokens_per_expert`` tokens on average runs in one native
+    call (:func:`moe`, :func:`moe_experts`); else expert by expert, each on its token count's path."""
+    prec = _PRECISION_OF[precision] if isinstance(precision, torch.dtype) else precision
+    return not path(prec, max(1, round(tokens_per_expert))).startswith("torch:")
 
 
 def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         gates: torch.Tensor) -> torch.Tensor:
     """Routed experts of T tokens in one call: h [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] (bf16/fp16),
     ids [T, k] int64 (-1 skips a slot), gates [T, k] fp32; returns the gate-weighted sum [T, H] fp32."""
-    return load().moe(h.contiguous(), w13, w2, ids.contiguous(), gates.float().contiguous())
+    p = native_path(_PRECISION_OF[w13.dtype], max(1, round(ids.numel() / w13.shape[0])))
+    return load().moe(h.contiguous(), w13, w2, ids.contiguous(), gates.float().contiguous(),
+                      _fit(p, min(w13.shape[2], w2.shape[2])))
+
+
+def moe_experts(h: torch.Tensor, w13: list, w2: list, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """:func:`moe` with the experts given per expert: bf16/fp16 tensors or int8/``int4_native``
+    :class:`engine.moe.quant.QWeight` (one precision per call), None for experts no token routes to."""
+    first = next(w for w in w13 if w is not None)
+    quantized = not isinstance(first, torch.Tensor)
+    prec = first.precision if quantized else _PRECISION_OF[first.dtype]
+    n_experts = len(w13)
+    p = native_path(prec, max(1, round(ids.numel() / n_experts)))
+    if quantized:
+        d13 = [None if w is None else w.data for w in w13]
+        d2 = [None if w is None else w.data for w in w2]
+        s13 = [None if w is None else w.scales for w in w13]
+        s2 = [None if w is None else w.scales for w in w2]
+        group = first.group_size or 0
+        inner = min(first.shape[1], first.shape[0] // 2)
+    else:
+        d13, d2, s13, s2, group = w13, w2, [], [], 0
+        inner = min(first.shape[1], first.shape[0] // 2)
+    return ops().moe_q(h.contiguous(), d13, s13, d2, s2, ids.contiguous(), gates.float().contiguous(), group,
+                       _fit(p, inner))
+
+
+# ------------------------------------------------------------------------------ what was chosen
+def dispatch_report() -> dict[str, object]:
+    """The chosen path per precision and token-count range, with the ISA, AMX and measured peaks: what
+    ``engine doctor`` prints and what results record."""
+    st = status()
+    if not st["available"]:
+        return {"available": False, "error": st["error"]}
+    measured = _state.get("paths") or {}
+    prepare()
+    measured = _state["paths"]
+    feats = cpu_features()
+    var = variants()
+    has_amx = amx_present()
+    table: dict = measured["table"]  # type: ignore[assignment]
+    peaks: dict = measured.get("peak_gflops", {})  # type: ignore[assignment]
+    bf16_torch = peaks.get("bf16", {}).get("torch:bf16")
+    used = any(p == "torch:bf16" for _, p in table.get("bf16", {}).get("ranges", []))
+    if has_amx:
+        detail = (f"present; oneDNN's bf16 products measured {bf16_torch:.0f} GFLOP/s at best, "
+                  + ("used above the crossover" if used else "slower than the native kernels here, not used"))
+    else:
+        detail = ("absent: CPUID reports no AMX tiles (amx_tile, amx_bf16)" if "amx_tile" not in feats
+                  else "absent: the OS does not enable AMX tile state (XCR0)") + (
+            "; PyTorch's oneDNN bf16 products are not a candidate path here")
+    return {"available": True, "isa": ops().isa(), "compiled": var["compiled"], "runnable": var["runnable"],
+            "cpu_features": feats, "amx": {"present": has_amx, "mkldnn": torch.backends.mkldnn.is_available(),
+                                           "detail": detail},
+            "paths": {p: {k: v for k, v in t.items() if k != "native_ranges"} for p, t in table.items()},
+            "forced": dict(_forced), "peak_gflops": peaks, "measured_shape": measured.get("shape"),
+            "token_points": measured.get("points")}
+
+
+def dispatch_summary() -> str:
+    """One line: the ISA and each precision's paths by token count (for tables and result records)."""
+    st = status()
+    if not st["available"]:
+        return "torch (native kernels unavailable)"
+    parts = [str(ops().isa())]
+    for prec, t in prepare().items():
+        if prec in _forced:
+            parts.append(f"{prec} {_forced[prec]} (forced)")
+            continue
+        ranges = t["ranges"]  # type: ignore[index]
+        desc = ", ".join(f"{p} <={u}" if u is not None else (f"{p} above" if i else p)
+                         for i, (u, p) in enumerate(ranges))  # type: ignore[misc]
+        parts.append(f"{prec} {desc}")
+    return "; ".join(parts)
+

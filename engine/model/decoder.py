@@ -85,8 +85,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def kv_dtype(choice: str, compute: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for the ``runtime.kv_dtype`` knob: auto = the compute dtype."""
+    return compute if choice == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
+
+
 class KVCache:
-    """Per-layer K and V tensors of shape [slots, KV heads, capacity, head_dim]; capacity grows on demand."""
+    """Per-layer K and V tensors of shape [slots, KV heads, capacity, head_dim]; capacity grows on demand.
+    ``dtype`` may differ from the compute dtype (``runtime.kv_dtype``): keys and values are rounded to it
+    when written and widened when read."""
 
     def __init__(self, spec: ModelSpec, n_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  initial_len: int = 256):
@@ -158,6 +165,8 @@ class MoEDecoder:
         self.dtype = dtype
         self.weight_dtype = weight_dtype or dtype
         self.native = self.weight_dtype != dtype  # products through engine.kernels
+        if self.native:
+            kernels.prepare()  # the measured path per precision and token count (once per machine)
         self.device = device
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
         self.expert_device = expert_device or device
@@ -332,9 +341,9 @@ class MoEDecoder:
         on_host = cache.device != self.device  # decode attention placed on the host: its KV cache lives there
         if on_host:
             q, k, v = q.to(cache.device), k.to(cache.device), v.to(cache.device)
-        # Write the step's keys and values into the cache: [slot, head, pos, d].
-        kc[plan.slot_of_token, :, plan.pos_of_token] = k
-        vc[plan.slot_of_token, :, plan.pos_of_token] = v
+        # Write the step's keys and values into the cache: [slot, head, pos, d] (in the cache's dtype).
+        kc[plan.slot_of_token, :, plan.pos_of_token] = k.to(kc.dtype)
+        vc[plan.slot_of_token, :, plan.pos_of_token] = v.to(vc.dtype)
         if self.native and not on_host and plan.all_decode:  # a decode-only step: one call, cache read in place
             out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
                                                  self.scale)
@@ -342,16 +351,16 @@ class MoEDecoder:
         out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=cache.device)
         if plan.decode_rows is not None:
             qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, Hq, 1, d]
-            kd = plan.gather(kc)  # [B, KV, L, d]
-            vd = plan.gather(vc)
+            kd = plan.gather(kc).to(q.dtype)  # [B, KV, L, d]
+            vd = plan.gather(vc).to(q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=self.scale,
                                                 enable_gqa=spec.n_kv_heads != spec.n_heads)
             out.index_copy_(0, plan.decode_rows, od[:, :, 0, :])
         for seg in plan.prefill:
             end = seg.past_len + seg.n_tokens
             qs = q[seg.start: seg.start + seg.n_tokens].transpose(0, 1)[None]  # [1, Hq, n, d]
-            ks = kc[seg.slot: seg.slot + 1, :, :end]  # [1, KV, past+n, d]
-            vs = vc[seg.slot: seg.slot + 1, :, :end]
+            ks = kc[seg.slot: seg.slot + 1, :, :end].to(q.dtype)  # [1, KV, past+n, d]
+            vs = vc[seg.slot: seg.slot + 1, :, :end].to(q.dtype)
             if on_host:  # prompt chunks are compute-heavy: they attend on the device
                 qs, ks, vs = qs.to(self.device), ks.to(self.device), vs.to(self.device)
             mask = plan.prefill_mask(seg, spec.sliding_window)
@@ -441,9 +450,9 @@ class MoEDecoder:
         them; -1 skips a slot) with ``counts[e]`` pairs each: the gate-weighted sum per token [T, H]."""
         t, k = ids.shape
         pairs = int(counts.sum())
-        if self.native and pairs <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * w13.shape[0]:
-            # Few tokens per expert on average: one call for every expert, all threads. Beyond (long
-            # prompt chunks), each expert's product runs on PyTorch's GEMM below, on widened weights.
+        if self.native and kernels.fused_moe(self.weight_dtype, pairs / max(w13.shape[0], 1)):
+            # One call for every expert, all threads, unless this many tokens per expert run faster on
+            # PyTorch's GEMM (the crossover measured on this machine): then expert by expert below.
             return kernels.moe(h, w13, w2, ids, weights)
         if t == 1 and pairs == k and self.device.type == "cpu":
             return self._moe_one_token(w13, w2, h, weights, ids)

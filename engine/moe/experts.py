@@ -69,9 +69,8 @@ def _product(x: torch.Tensor, w: Any, native: bool) -> torch.Tensor:
     """``x @ w.T`` for a float tensor or a quant.QWeight; ``native`` allows moetune's CPU kernels."""
     if isinstance(w, torch.Tensor):
         return kernels.linear(x, w)
-    if native and w.precision == "int8" and kernels.reads_int8(w.data, x):
-        return kernels.linear_int8(x, w.data, w.scales)
-    return _quant().qlinear(x, w)
+    y = kernels.linear_q(x, w) if native and x.dtype == torch.float32 and w.device.type == "cpu" else None
+    return _quant().qlinear(x, w) if y is None else y  # None: PyTorch's path is the faster one here
 
 
 def _record_stream(v: ExpertVersion, stream: torch.cuda.Stream) -> None:
@@ -94,8 +93,9 @@ def _quant():
 
 
 def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: torch.device, group_size: int,
-                 pin: bool = False, non_blocking: bool = False) -> ExpertVersion:
-    """Build a version of an expert in ``precision`` on ``device`` from float weights."""
+                 pin: bool = False, non_blocking: bool = False, native: bool = False) -> ExpertVersion:
+    """Build a version of an expert in ``precision`` on ``device`` from float weights (``native``: int4 in
+    the layout of moetune's CPU kernels)."""
     if precision in FLOAT_PRECISIONS:
         a = w13.to(device=device, dtype=torch_dtype(precision), copy=True, non_blocking=non_blocking)
         b = w2.to(device=device, dtype=torch_dtype(precision), copy=True, non_blocking=non_blocking)
@@ -103,8 +103,8 @@ def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: to
             a, b = a.pin_memory(), b.pin_memory()
         return ExpertVersion(a, b, precision, device, a.numel() * a.element_size() + b.numel() * b.element_size())
     quant = _quant()
-    qa = quant.quantize(w13.float(), precision, group_size=group_size).to(device)
-    qb = quant.quantize(w2.float(), precision, group_size=group_size).to(device)
+    qa = quant.quantize(w13.float(), precision, group_size=group_size, native=native).to(device)
+    qb = quant.quantize(w2.float(), precision, group_size=group_size, native=native).to(device)
     return ExpertVersion(qa, qb, precision, device, qa.nbytes() + qb.nbytes())
 
 
@@ -140,23 +140,19 @@ def swiglu(v: ExpertVersion, x: torch.Tensor, native: bool) -> torch.Tensor:
 def fused_moe(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, versions: dict[int, ExpertVersion],
               n_experts: int) -> torch.Tensor | None:
     """Every routed expert of a micro-batch in one native call, when all of ``versions`` (expert ->
-    the copy it runs on) are host-memory copies in one precision the fused kernels read (bf16/fp16, or
-    int8 with row scales); None otherwise. h [T, H] fp32, weights/ids [T, K] (-1 = skipped slot)."""
+    the copy it runs on) are host-memory copies in one precision the fused kernels read (bf16/fp16, int8
+    with row scales, int4 in the ``int4_native`` layout) and the measured path for this many tokens per
+    expert is native (:func:`engine.kernels.fused_moe`); None otherwise. h [T, H] fp32, weights/ids
+    [T, K] (-1 = skipped slot)."""
     precisions = {v.precision for v in versions.values()}
-    if len(precisions) != 1 or not precisions <= {"bf16", "fp16", "int8"} or any(
-            v.device.type != "cpu" for v in versions.values()):
+    if (len(precisions) != 1 or not precisions <= {"bf16", "fp16", "int8", "int4"}
+            or any(v.device.type != "cpu" for v in versions.values())
+            or any(v.precision == "int4" and v.w13.layout != "int4_native" for v in versions.values())
+            or not kernels.fused_moe(next(iter(precisions)), ids.numel() / n_experts)):
         return None
-    gates = weights.float().contiguous()
-    if precisions == {"int8"}:
-        def col(attr: str, part: str) -> list[torch.Tensor | None]:
-            return [getattr(getattr(versions[e], attr), part) if e in versions else None for e in range(n_experts)]
-
-        return kernels.ops().moe_list_int8(h.contiguous(), col("w13", "data"), col("w13", "scales"),
-                                           col("w2", "data"), col("w2", "scales"), ids.contiguous(), gates)
-    return kernels.ops().moe_list(h.contiguous(), [versions[e].w13 if e in versions else None
-                                                   for e in range(n_experts)],
-                                  [versions[e].w2 if e in versions else None for e in range(n_experts)],
-                                  ids.contiguous(), gates)
+    return kernels.moe_experts(h, [versions[e].w13 if e in versions else None for e in range(n_experts)],
+                               [versions[e].w2 if e in versions else None for e in range(n_experts)],
+                               ids, weights)
 
 
 # ------------------------------------------------------------------------------- grouping and combining
@@ -298,7 +294,7 @@ class HybridExperts:
                 v = make_version(host.w13, host.w2, precision, self.device, self.group)
             self.copy_stream.synchronize()
             return v
-        return make_version(host.w13, host.w2, precision, self.device, self.group)
+        return make_version(host.w13, host.w2, precision, self.device, self.group, native=self.native)
 
     def _wait(self, layer: int, expert: int) -> None:
         """Wait for the background copy of (layer, expert), if one is queued."""
@@ -439,14 +435,14 @@ class HybridExperts:
     def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    part: PartPlan | None = None) -> torch.Tensor | None:
         """The micro-batch in one native call (:func:`fused_moe`) when every planned expert runs from
-        host memory without a fetch or replicas and few enough tokens per expert; None when the grouped
-        path must run (then long prompt chunks also run expert by expert on PyTorch's GEMM). Without a
+        host memory without a fetch or replicas and the measured path for its tokens per expert is native;
+        None when the grouped path must run (then long prompt chunks run expert by expert, each on its
+        token count's path). Without a
         ``part`` the controller plans it (one coalesced micro-batch)."""
         if part is None:
             assert self.controller is not None
             part = self.controller.plan_layer(self.layer_index[layer], ids.cpu().numpy()).parts[0]
-        if (not self.native or h.device.type != "cpu"
-                or ids.numel() > kernels.MAX_NATIVE_TOKENS_PER_EXPERT * self.spec.n_experts):
+        if not self.native or h.device.type != "cpu":
             return None
         hs = self.handles[layer]
         versions = {}

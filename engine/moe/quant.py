@@ -14,12 +14,15 @@ fp32/16-bit   ``F.linear`` in the weight's dtype                     ``F.linear`
 int8          ``aten._weight_int8pack_mm`` (bf16 activations,        ``aten._weight_int8pack_mm`` where the
               in % 16 == 0); ``dequant`` otherwise                   build has it (probed), else ``dequant``
 int4          ``aten._weight_int4pack_mm_for_cpu`` (bf16             ``aten._weight_int4pack_mm`` (tinygemm,
-              activations, group 32/64/128/256)                      bf16), else ``dequant``
+              activations, group 32/64/128/256); ``native``:         bf16), else ``dequant``
+              moetune's kernels (``quantize(..., native=True)``)
 ============  =====================================================  ==========================================
 
 With fp32 activations on the CPU and moetune's native kernels enabled, the hybrid expert executor runs
-int8 weights on :func:`engine.kernels.linear_int8` instead (fp32 activations, the same ``q * s``), and this
-module only stores them.
+int8 and int4 weights on :func:`engine.kernels.linear_q` (fp32 accumulation; the path per token count is
+the one measured fastest on this machine, e.g. int8 dot products of activations quantized per block of
+32). int8 weights keep the layout PyTorch's kernel reads; int4 weights made with ``native=True`` are
+stored in the ``int4_native`` layout that moetune's kernels unpack in registers.
 
 ``dequant`` is the pure-PyTorch fallback: unpack, scale, then ``F.linear`` in the activation dtype. On the
 CPU it is also the better path for many tokens per call (the packed kernels are matrix-vector kernels):
@@ -41,8 +44,12 @@ Quantization schemes:
   ``w ~= (q - 8) * s + z`` with ``q`` in [0, 15] and ``(s, z)`` bf16 ``[in / g, out_pad, 2]``; two values
   per byte; rows padded to a multiple of 16 (the CPU kernel's requirement) so bytes do not depend on
   the device. Layouts: ``int4_cpu`` (the CPU kernel's blocked packing), ``int4_tinygemm`` (int32 tiles
-  for CUDA) and ``int4_plain`` (``[out_pad, in / 2]`` uint8, even column in the high nibble: portable,
-  and what the fallback reads). All three hold ``out_pad * in / 2`` bytes.
+  for CUDA), ``int4_plain`` (``[out_pad, in / 2]`` uint8, even column in the high nibble: portable,
+  and what the fallback reads) and ``int4_native`` (``[out_pad, in / 2]`` uint8, each row in chunks of 64
+  values in 32 bytes, value j in the low nibble and j + 32 in the high one, which moetune's kernels
+  unpack with one shift and two masks; a last chunk of 32 values in 16 bytes where ``in`` is 32 mod 64;
+  needs ``in`` and ``group_size`` multiples of 32).
+  All four hold ``out_pad * in / 2`` bytes; the scales are the same ``[in / g, out_pad, 2]`` in each.
 """
 
 from __future__ import annotations
@@ -62,14 +69,18 @@ from engine.precision import check_group_size
 log = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16", "fp16", "int8", "int4"]
-Layout = Literal["dense", "int8_rows", "int4_cpu", "int4_tinygemm", "int4_plain"]
-Kernel = Literal["linear", "int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_tinygemm", "dequant"]
+Layout = Literal["dense", "int8_rows", "int4_cpu", "int4_tinygemm", "int4_plain", "int4_native"]
+Kernel = Literal["linear", "int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_tinygemm", "native", "dequant"]
 
 PRECISIONS: tuple[Precision, ...] = _precision.PRECISIONS  # type: ignore[assignment]
 FLOAT_DTYPES: dict[str, torch.dtype] = {p: _precision.torch_dtype(p) for p in _precision.FLOAT_PRECISIONS}
 KERNEL_GROUP_SIZES = _precision.INT4_GROUP_SIZES
 """int4 group sizes the packed kernels (CPU and tinygemm) accept; others run through ``dequant``."""
 INT4_ROW_MULTIPLE = _precision.INT4_ROW_MULTIPLE
+"""int4 output rows are padded to this (CPU kernel: N % 16; tinygemm: N % 8)."""
+NATIVE_INT4_CHUNK = 32
+"""in_features and group_size of the ``int4_native`` layout must be multiples of this (its chunks hold 64
+values, with a last one of 32 where in_features is 32 mod 64)."""
 _GROUP = knob_default("int4_group_size")  # the registry's default group size
 DEQUANT_FROM_TOKENS: dict[tuple[str, str], int] = {("cpu", "int8"): 128, ("cpu", "int4"): 256}
 """(device type, precision) -> tokens per call from which ``path="auto"`` dequantises and runs a dense
@@ -211,8 +222,12 @@ class QWeight:
 
 # ------------------------------------------------------------------------------------------ quantize
 @torch.no_grad()
-def quantize(w: torch.Tensor, precision: Precision, group_size: int = _GROUP) -> QWeight:
-    """Quantize (or cast) a float ``[out, in]`` weight on its device; ``group_size`` is used by int4 only."""
+def quantize(w: torch.Tensor, precision: Precision, group_size: int = _GROUP, native: bool = False) -> QWeight:
+    """Quantize (or cast) a float ``[out, in]`` weight on its device; ``group_size`` is used by int4 only.
+
+    ``native``: lay int4 weights out for moetune's native CPU kernels (``int4_native``) where they can read
+    them (a CPU weight, the kernels built, in_features and group_size multiples of 32).
+    """
     if w.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -228,7 +243,7 @@ def quantize(w: torch.Tensor, precision: Precision, group_size: int = _GROUP) ->
         return QWeight("int8", (n, k), None, "int8_rows", _pick_kernel("int8", dev, (n, k)), q.contiguous(), s)
     if precision == "int4":
         check_group_size(k, group_size)
-        return _relayout_int4(_quantize_int4_plain(wf, group_size), _int4_layout_for(dev, k, group_size))
+        return _relayout_int4(_quantize_int4_plain(wf, group_size), _int4_layout_for(dev, k, group_size, native))
     raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
@@ -275,6 +290,8 @@ def _write_int4_values(qw: QWeight, out: torch.Tensor, r0: int, r1: int) -> None
         o = out.view(r1 - r0, k // 2, 2)
         o[..., 0].copy_(p[r0:r1] >> 4)
         o[..., 1].copy_(p[r0:r1] & 15)
+    elif qw.layout == "int4_native":
+        out.copy_(_unpack_native(p[r0:r1]))
     elif qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
         flat = p.reshape(-1)
         block = _cpu_block_rows()
@@ -347,6 +364,11 @@ def qlinear(x: torch.Tensor, qw: QWeight, path: Literal["auto", "kernel", "dequa
 
 
 def _run_kernel(kernel: Kernel, x2: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    if kernel == "native":  # moetune's kernels: fp32 activations, on the path measured fastest here
+        from engine import kernels
+
+        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+        return kernels.linear_q(xf, qw, force=True)
     xa = x2 if x2.dtype == _ACT_DTYPE and x2.is_contiguous() else x2.to(_ACT_DTYPE).contiguous()
     if kernel == "int8pack_mm":
         return torch.ops.aten._weight_int8pack_mm.default(xa, qw.data, qw.scales)
@@ -380,7 +402,10 @@ def _pick_kernel(precision: Precision, device: torch.device, shape: tuple[int, i
     raise AssertionError("int4 kernels follow the layout")
 
 
-def _int4_layout_for(device: torch.device, in_features: int, group_size: int) -> Layout:
+def _int4_layout_for(device: torch.device, in_features: int, group_size: int, native: bool = False) -> Layout:
+    if (native and device.type == "cpu" and in_features % group_size == 0 and group_size % NATIVE_INT4_CHUNK == 0
+            and _native_kernels_ok()):
+        return "int4_native"
     if group_size in KERNEL_GROUP_SIZES and in_features % group_size == 0:
         if device.type == "cpu" and _int4_kernel_ok("cpu"):
             return "int4_cpu"
@@ -390,7 +415,13 @@ def _int4_layout_for(device: torch.device, in_features: int, group_size: int) ->
 
 
 _INT4_KERNEL: dict[str, Kernel] = {"int4_cpu": "int4pack_mm_cpu", "int4_tinygemm": "int4pack_mm_tinygemm",
-                                   "int4_plain": "dequant"}
+                                   "int4_plain": "dequant", "int4_native": "native"}
+
+
+def _native_kernels_ok() -> bool:
+    from engine import kernels
+
+    return kernels.load() is not None
 
 
 def _probe_device(device_type: str) -> torch.device | None:
@@ -513,6 +544,31 @@ def _unpack_plain(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p >> 4, p & 15], dim=-1).view(p.shape[0], -1)
 
 
+def _pack_native(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values [N, K] in [0, 15] -> [N, K/2] in the ``int4_native`` order: chunks of 64 values in 32
+    bytes, byte j holding value j (low nibble) and value j + 32 (high nibble); where K is 32 mod 64, a
+    last chunk of 32 values in 16 bytes (j low, j + 16 high)."""
+    n, k = q.shape
+    k64 = k // 64 * 64
+    c = q[:, :k64].reshape(n, k64 // 64, 2, 32)
+    parts = [(c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k64 // 2)]
+    if k > k64:
+        t = q[:, k64:].reshape(n, 2, 16)
+        parts.append(t[:, 0] | (t[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+
+def _unpack_native(p: torch.Tensor) -> torch.Tensor:
+    n, k = p.shape[0], p.shape[1] * 2
+    k64 = k // 64 * 64
+    b = p[:, : k64 // 2].reshape(n, k64 // 64, 32)
+    parts = [torch.cat([b & 15, b >> 4], dim=-1).reshape(n, k64)]
+    if k > k64:
+        t = p[:, k64 // 2:]
+        parts.append(torch.cat([t & 15, t >> 4], dim=-1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
 def _decode_cpu_layout(p: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
     """Invert ``_convert_weight_to_int4pack_for_cpu`` (torch 2.6-2.13): rows in blocks of ``block`` (64
     where the op was built for AVX-512, 32 for AVX2), each stored as ``[K, block/2]`` bytes, low nibble
@@ -552,6 +608,8 @@ def _int4_values(qw: QWeight) -> torch.Tensor:
     n_pad, k = qw.out_padded, qw.shape[1]
     if qw.layout == "int4_plain":
         return _unpack_plain(qw.data)
+    if qw.layout == "int4_native":
+        return _unpack_native(qw.data)
     if qw.layout == "int4_cpu" and _cpu_layout_decoder_ok():
         return _decode_cpu_layout(qw.data, n_pad, k)
     return _decode_with_kernel(qw)
@@ -564,6 +622,8 @@ def _relayout_int4(qw: QWeight, layout: Layout) -> QWeight:
     plain = _pack_plain(_int4_values(qw)) if qw.layout != "int4_plain" else qw.data
     if layout == "int4_plain":
         data = plain
+    elif layout == "int4_native":
+        data = _pack_native(_unpack_plain(plain))
     elif layout == "int4_cpu":
         data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_unpack_plain(plain).to(torch.int32), 2)
     else:

@@ -45,6 +45,9 @@ def test_run_json_has_requests_steps_totals_for_50_requests(model_dir, capsys):
         assert s[key] is not None
     assert res["steps"] and {"duration_ms", "batch_seqs", "prefill_tokens", "decode_tokens"} <= set(res["steps"][0])
     assert res["telemetry"] and "cpu_percent" in res["telemetry"][0]
+    roof = res["roofline"]  # decode steps against the roofline of their batch, bytes from the precisions used
+    assert roof["bytes_per_step"] > roof["kv_bytes_per_step"] > 0 and roof["bound"] in ("bandwidth", "compute")
+    assert roof["roofline_fraction"] > 0 and roof["decode_tokens_per_s"] > 0
     assert res["popularity"] and res["meta"]["hybrid"] is False
 
 

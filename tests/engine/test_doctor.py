@@ -37,7 +37,21 @@ def test_doctor_reports_this_machine(require_component):
     require_component("a C++ compiler", k["state"] != "missing", "apt-get install g++")
     assert code == 0, text
     assert k["state"] == "available" and k["available"] and Path(k["library"]).exists()
-    assert k["isa"] in ("avx512", "avx2", "scalar") and k["compiler"]
+    assert k["isa"] in ("avx512_bf16", "avx512_vnni", "avx512", "avx_vnni", "avx2", "scalar") and k["compiler"]
+    # The chosen path per precision and token-count range, in the JSON and in the text.
+    d = k["dispatch"]
+    assert d["available"] and d["isa"] == k["isa"] and k["isa"] in d["runnable"]
+    assert set(d["paths"]) == {"bf16", "fp16", "int8", "int4"}
+    for prec, t in d["paths"].items():
+        ranges = t["ranges"]
+        assert ranges and ranges[-1][0] is None, (prec, ranges)  # the last range is open-ended
+        uppers = [u for u, _ in ranges[:-1]]
+        assert uppers == sorted(uppers) and all(u >= 1 for u in uppers)
+        assert all(p.startswith(("torch:", *d["runnable"])) for _, p in ranges), ranges
+        line = next(x for x in text if x.strip().startswith(f"{prec} "))
+        assert ranges[0][1] in line and ("tokens" in line)
+    assert k["dispatch_summary"].startswith(k["isa"])
+    assert any(line.startswith("paths     ") for line in text)
     flags = cpu_flags()
     assert report["cpu"]["isa"] == {f: f in flags for f in ISA_FLAGS}
     for name in ("bfloat16", "float16"):

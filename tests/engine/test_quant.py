@@ -299,3 +299,77 @@ def test_cuda_round_trip_and_quantize_on_device(precision):
     meta, tensors = host.state_dict()
     loaded = QWeight.from_state_dict(meta, tensors, "cuda")
     assert loaded.layout == dev.layout and torch.equal(dequantize(loaded), dequantize(dev))
+
+
+# --------------------------------------------------------------------------------- int4_native layout
+@pytest.fixture
+def native_kernels(require_component):
+    """moetune's kernels built (a broken build fails; a machine with no compiler follows ``require``)."""
+    from engine import kernels
+
+    st = kernels.status()
+    if st["state"] == "broken":
+        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
+    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
+
+
+def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
+    """What the native int4 path computes: ``scale * sum(q * x_q8) + (zero - 8 scale) * sum(x)`` per group,
+    x_q8 the activations quantized per block of 32 by the kernels' own ``quantize_q8``."""
+    from engine import kernels
+
+    q, d, gsum = kernels.ops().quantize_q8(x.float().contiguous(), qw.group_size)
+    t, k = x.shape
+    n, g = qw.shape[0], qw.group_size
+    xq = (q.float().view(t, k // 32, 32) * d[:, :, None]).view(t, k // g, g)
+    vals = Q._int4_values(qw)[:n].float().view(n, k // g, g)
+    s, z = qw.scales[:, :n, 0].t().float(), qw.scales[:, :n, 1].t().float()
+    return torch.einsum("tgk,ngk,ng->tn", xq, vals, s) + torch.einsum("tg,ng->tn", gsum, z - 8 * s)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 128), (33, 256), (144, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_native_layout_holds_the_same_weight(shape, group, native_kernels):
+    """The native layout (32-value chunks, q4_0 nibble order) is a permutation of the plain one: same
+    values, same bytes, same dequantized weight; it round-trips through every other layout."""
+    n, k = shape
+    w = _weight(n, k, seed=n)
+    plain = quantize(w, "int4", group)
+    native = quantize(w, "int4", group, native=True)
+    assert (native.layout, native.kernel) == ("int4_native", "native")
+    assert native.nbytes() == plain.nbytes() == Q.qweight_nbytes(n, k, "int4", group)
+    assert torch.equal(Q._int4_values(native), Q._int4_values(plain))
+    assert torch.equal(dequantize(native), dequantize(plain))
+    assert torch.equal(Q._relayout_int4(Q._relayout_int4(native, "int4_plain"), "int4_native").data, native.data)
+    assert torch.equal(Q._unpack_native(Q._pack_native(Q._int4_values(plain))), Q._int4_values(plain))
+    # byte j of each 32-byte chunk: value j in the low nibble, value j + 32 in the high one; a row of
+    # 32 mod 64 values ends in a 16-byte chunk (j low, j + 16 high)
+    v = Q._int4_values(plain)
+    assert int(native.data[0, 3]) == int(v[0, 3]) | (int(v[0, 35]) << 4)
+    tail = quantize(_weight(16, 96), "int4", 32, native=True)
+    tv = Q._int4_values(tail)
+    assert int(tail.data[0, 32 + 5]) == int(tv[0, 64 + 5]) | (int(tv[0, 64 + 21]) << 4)
+    meta, tensors = native.state_dict()
+    assert meta["layout"] == "int4_plain" and torch.equal(dequantize(QWeight.from_state_dict(meta, tensors)),
+                                                          dequantize(native))
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_qlinear_on_the_native_int4_kernel(m, native_kernels):
+    qw = quantize(_weight(80, 128), "int4", 64, native=True)
+    x = _x(m, 128)
+    ref = _native_reference(x, qw)
+    y = qlinear(x, qw, "kernel")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    yb = qlinear(x.bfloat16(), qw, "kernel")  # bf16 activations are widened for the kernel, the result cast back
+    assert yb.dtype == torch.bfloat16
+    _check(qlinear(x, qw, "dequant"), x, qw, "dequant")  # the pure-PyTorch path reads the layout too
+    # Against the unquantized activations: int8 activation rounding costs well under a percent here.
+    exact = x @ dequantize(qw).t()
+    assert float((y - exact).norm() / exact.norm()) < 0.02
+
+
+def test_native_layout_only_where_the_kernels_read_it(native_kernels):
+    assert quantize(_weight(16, 96), "int4", 32, native=True).layout == "int4_native"
+    assert quantize(_weight(16, 64), "int4", 16, native=True).layout != "int4_native"  # group not a multiple of 32
+    assert quantize(_weight(16, 64), "int4", 64).layout != "int4_native"  # not asked for

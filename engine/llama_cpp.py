@@ -1,0 +1,256 @@
+"""llama.cpp on the same checkpoint: GGUF files written from it, and a batched greedy runner.
+
+Optional: writing GGUF files needs the ``gguf`` package, running them ``llama-cpp-python`` (both in the
+``llama`` extra; neither is needed by the engine). :func:`write_gguf` converts a qwen3_moe checkpoint in
+the Hugging Face layout to llama.cpp's ``qwen3moe`` GGUF, in one of:
+
+* ``bf16``: every matrix bf16 (norms and the router in f32), as the checkpoint stores it;
+* ``q8_0``: every matrix in Q8_0 (int8 with one f16 scale per 32 values) except the router (f32);
+* ``q4_0``: the routed experts' matrices in Q4_0 (4-bit with one f16 scale per 32 values), the other
+  matrices in Q8_0, the router in f32.
+
+The checkpoints moetune makes have no tokenizer; the GGUF gets a placeholder SentencePiece vocabulary of
+the model's size (``<unk>``, ``<s>``, ``</s>``, 256 byte tokens, then ``▁w<i>``). Prompts are token ids,
+so the vocabulary's text never matters. :class:`LlamaCpp` prefills B prompts as B sequences in one
+batch and decodes them together, greedy, with llama.cpp's own threads (``n_threads``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.model.arch import CheckpointError
+from engine.model.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+GGUF_KINDS = ("bf16", "q8_0", "q4_0")
+
+
+def available() -> str | None:
+    """None when llama-cpp-python and gguf import, else the reason (one line)."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"{e.name or 'llama_cpp'} is not installed (pip install llama-cpp-python gguf)"
+    return None
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, kind: str) -> Path:
+    """Write the qwen3_moe checkpoint at ``model_dir`` as a GGUF file of ``kind`` (see the module doc)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    if kind not in GGUF_KINDS:
+        raise ValueError(f"gguf kind={kind!r}: expected one of {', '.join(GGUF_KINDS)}")
+    ckpt = Checkpoint(Path(model_dir))
+    spec = ckpt.spec
+    if spec.arch != "qwen3_moe" or any(not spec.is_moe_layer(i) for i in range(spec.n_layers)):
+        raise CheckpointError(f"{model_dir}: GGUF export is written for qwen3_moe checkpoints whose layers are all "
+                              f"MoE (got {spec.arch})")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    w.add_name(f"moetune {Path(model_dir).name}")
+    w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind])
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.max_position_embeddings)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.dense_intermediate or spec.expert_intermediate)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_expert_count(spec.n_experts)
+    w.add_expert_used_count(spec.top_k)
+    w.add_expert_feed_forward_length(spec.expert_intermediate)
+    n_vocab = spec.vocab_size
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581w{i}" for i in range(n_vocab - len(tokens))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.NORMAL] * (n_vocab - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:n_vocab])
+    w.add_token_scores([-float(i) for i in range(n_vocab)])
+    w.add_token_types(types[:n_vocab])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(spec.bos_token_id if spec.bos_token_id is not None else 1)
+    w.add_eos_token_id(spec.eos_token_ids[0] if spec.eos_token_ids else 2)
+    w.add_add_bos_token(False)
+
+    def put(name: str, t: torch.Tensor, qtype: Any) -> None:
+        a = t.float().numpy() if qtype != Q.BF16 else None
+        if qtype == Q.F32:
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == Q.BF16:
+            raw = t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+            w.add_tensor(name, raw.reshape(*t.shape[:-1], t.shape[-1] * 2), raw_dtype=Q.BF16)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    dense_q = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q8_0}[kind]
+    expert_q = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[kind]
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    got = dict(ckpt.tensors([n for n in names if n != "lm_head.weight" or not spec.tie_word_embeddings]))
+    put("token_embd.weight", got["model.embed_tokens.weight"], dense_q)
+    put("output_norm.weight", got["model.norm.weight"], Q.F32)
+    put("output.weight", got.get("lm_head.weight", got["model.embed_tokens.weight"]), dense_q)
+    for i in range(spec.n_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        layer = dict(ckpt.tensors([p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                                   a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", a + "o_proj.weight",
+                                   a + "q_norm.weight", a + "k_norm.weight", ckpt.router_name(i)]))
+        b = f"blk.{i}."
+        put(b + "attn_norm.weight", layer[p + "input_layernorm.weight"], Q.F32)
+        put(b + "ffn_norm.weight", layer[p + "post_attention_layernorm.weight"], Q.F32)
+        for src, dst in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            put(b + dst + ".weight", layer[a + src + ".weight"], dense_q)
+        put(b + "attn_q_norm.weight", layer[a + "q_norm.weight"], Q.F32)
+        put(b + "attn_k_norm.weight", layer[a + "k_norm.weight"], Q.F32)
+        put(b + "ffn_gate_inp.weight", layer[ckpt.router_name(i)], Q.F32)
+        inter = spec.expert_intermediate
+        w13 = torch.empty(spec.n_experts, 2 * inter, spec.hidden_size, dtype=ckpt.dtype)
+        w2 = torch.empty(spec.n_experts, spec.hidden_size, inter, dtype=ckpt.dtype)
+        ckpt.read_experts(i, w13, w2)  # either checkpoint layout (per expert or fused)
+        put(b + "ffn_gate_exps.weight", w13[:, :inter], expert_q)  # [E, out, in]
+        put(b + "ffn_up_exps.weight", w13[:, inter:], expert_q)
+        put(b + "ffn_down_exps.weight", w2, expert_q)
+        del w13, w2
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def gguf_bytes_per_token(path: str | Path, n_experts: int, top_k: int, experts_touched: float | None = None) -> dict:
+    """Bytes a one-token step reads from a GGUF file: every tensor but the token embedding (one row),
+    and of the expert tensors only ``experts_touched`` (default ``top_k``) of ``n_experts``."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    dense = experts = 0
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            continue
+        if "_exps." in t.name:
+            experts += n
+        else:
+            dense += n
+    touched = top_k if experts_touched is None else experts_touched
+    return {"dense_bytes": dense, "expert_bytes_per_expert_all_layers": experts / n_experts,
+            "bytes_per_step": dense + experts * touched / n_experts}
+
+
+_LOG_CALLBACK: Any = None
+
+
+def _quiet(lc: Any) -> None:
+    """Route llama.cpp's log lines to this module's logger at debug level (it prints hundreds per load)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        @lc.llama_log_callback
+        def callback(level, text, user_data):  # noqa: ARG001 - llama.cpp's signature
+            log.debug("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+        _LOG_CALLBACK = callback
+        lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class LlamaCpp:
+    """One GGUF model in llama.cpp, run through llama-cpp-python's low-level API: B prompts prefilled as B
+    sequences of one batch, then decoded together, greedy (argmax of the logits)."""
+
+    def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int):
+        import llama_cpp as lc
+
+        self.lc = lc
+        _quiet(lc)
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_seqs = n_seqs
+        self.max_batch = n_seqs * n_ctx_per_seq
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_seqs * n_ctx_per_seq
+        cp.n_batch = self.max_batch
+        cp.n_ubatch = 512
+        cp.n_seq_max = n_seqs
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.kv_unified = True
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {gguf_path}")
+        self.batch = lc.llama_batch_init(self.max_batch, 0, 1)
+        self.path = Path(gguf_path)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """rows: (token, position, sequence, wants logits)."""
+        b = self.batch
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = logits
+        b.n_tokens = len(rows)
+        rc = self.lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, i: int) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                                    shape=(self.n_vocab,))))
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
+        """Prefill every prompt in one batch (timed), then decode them together; returns (prefill seconds,
+        seconds per decode step, generated ids per prompt)."""
+        if len(prompts) > self.n_seqs:
+            raise ValueError(f"{len(prompts)} prompts for a context of {self.n_seqs} sequences")
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        rows, last = [], []
+        for s, p in enumerate(prompts):
+            rows += [(tok, j, s, j == len(p) - 1) for j, tok in enumerate(p)]
+            last.append(len(rows) - 1)
+        t = time.perf_counter()
+        self._decode(rows)
+        out = [[self._argmax(i)] for i in last]
+        prefill_s = time.perf_counter() - t
+        steps = []
+        for _ in range(new_tokens - 1):
+            t = time.perf_counter()
+            self._decode([(o[-1], len(p) + len(o) - 1, s, True) for s, (p, o) in enumerate(zip(prompts, out, strict=True))])
+            for s in range(len(prompts)):
+                out[s].append(self._argmax(s))
+            steps.append(time.perf_counter() - t)
+        return prefill_s, steps, out
+
+    def close(self) -> None:
+        lc = self.lc
+        if getattr(self, "batch", None) is not None:
+            lc.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,165 @@
+"""Rooflines from what a step really reads and computes, against this machine's measured limits.
+
+Bytes per step count the weights in the precisions the engine keeps them in (dense matrices in the
+weight dtype, norms and routers in the compute dtype, each expert the step touches in the precision
+it runs in, with its scales) and the KV cache that decode attention reads (in the KV cache's dtype).
+FLOP per step count the products (2 per multiply-add) and attention. The bandwidth roofline divides
+the bytes by the measured read bandwidth; the compute roofline divides each part's FLOP by the peak
+the machine measured for the product path that part takes (:func:`engine.kernels.dispatch_report`);
+the binding limit is the slower of the two, and "fraction of roofline" is of that one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one forward step of ``tokens`` tokens reads and computes."""
+
+    tokens: int
+    weight_bytes: float
+    kv_bytes: float
+    flop_dense: float  # attention projections, routers, dense and shared MLPs, lm head
+    flop_experts: float
+    flop_attention: float
+    dense_path: str  # "precision/path" of the dense products
+    expert_path: str
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def flop(self) -> float:
+        return self.flop_dense + self.flop_experts + self.flop_attention
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def model_bytes(engine) -> dict[str, float]:
+    """Dense bytes every step reads (attention, norms, routers, dense/shared MLPs, lm head), bytes of one
+    expert in the precision it runs in (mean over the experts), and KV bytes per cached token."""
+    m = engine.model
+    dense = sum(_nbytes(t) for lw in m.layers for k, t in vars(lw).items() if k not in ("w13", "w2"))
+    dense += _nbytes(m.final_norm) + _nbytes(m.lm_head)
+    hybrid = m.hybrid
+    if hybrid is not None:
+        versions = [h.fast or h.host for hs in hybrid.handles.values() for h in hs]
+        expert = sum(v.nbytes for v in versions) / max(1, len(versions))
+        precision = hybrid.hi
+    else:
+        moe = [lw for lw in m.layers if lw.w13 is not None]
+        expert = sum(_nbytes(lw.w13) + _nbytes(lw.w2) for lw in moe) / max(1, len(moe) * engine.spec.n_experts)
+        precision = _PRECISION.get(m.weight_dtype, "fp32")
+    kv = engine.spec.kv_bytes_per_token(engine.cache.dtype.itemsize)
+    return {"dense_bytes": float(dense), "expert_bytes": float(expert), "expert_precision": precision,
+            "kv_bytes_per_token": float(kv)}
+
+
+def _path(engine, precision: str, tokens: float) -> str:
+    """"precision/path" of a product: the native path table where the engine uses the kernels, else
+    PyTorch's product in the compute dtype."""
+    from engine import kernels
+
+    if engine.model.native and precision in kernels.PRECISIONS:
+        return f"{precision}/{kernels.path(precision, max(1, round(tokens)))}"
+    compute = _PRECISION.get(engine.dtype, "fp32")
+    if precision in ("int8", "int4"):
+        return f"{precision}/torch:quant"
+    return "bf16/torch:bf16" if compute == "bf16" else "fp32/torch:fp32"
+
+
+def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float, decode: bool = True) -> StepCost:
+    """A step of ``tokens`` tokens touching ``experts_touched`` distinct experts per MoE layer.
+
+    Decode: each token attends over ``context_tokens`` cached positions (its sequence's length), so the
+    step reads ``tokens * context_tokens`` positions of KV cache. Prefill (``decode=False``): one
+    sequence's chunk of ``tokens`` tokens after ``context_tokens`` cached ones (causal attention).
+    """
+    spec = engine.spec
+    mb = model_bytes(engine)
+    n_moe = len(spec.moe_layers)
+    weight_bytes = mb["dense_bytes"] + n_moe * experts_touched * mb["expert_bytes"]
+    dense_params = sum(spec.layer_dense_params(i) for i in range(spec.n_layers)) + spec.vocab_size * spec.hidden_size
+    flop_dense = 2.0 * dense_params * tokens
+    flop_experts = 2.0 * spec.expert_params() * spec.top_k * tokens * n_moe
+    if decode:
+        positions = tokens * context_tokens  # query-key pairs per layer
+        kv_read = positions
+    else:
+        positions = tokens * context_tokens + tokens * (tokens + 1) / 2
+        kv_read = context_tokens + tokens
+    flop_attention = 4.0 * spec.q_size * positions * spec.n_layers
+    kv_bytes = mb["kv_bytes_per_token"] * kv_read
+    weight_prec = _PRECISION.get(engine.model.weight_dtype, "fp32")
+    per_expert = tokens * spec.top_k / max(1e-9, experts_touched)
+    return StepCost(tokens, weight_bytes, kv_bytes, flop_dense, flop_experts, flop_attention,
+                    _path(engine, weight_prec, tokens), _path(engine, mb["expert_precision"], per_expert))
+
+
+def peak_gflops(path: str) -> float | None:
+    """The machine's measured peak GFLOP/s of a "precision/path" (None where it was not measured)."""
+    from engine import kernels
+
+    rep = kernels.dispatch_report()
+    prec, p = path.split("/", 1)
+    peaks = rep.get("peak_gflops", {}) if rep.get("available") else {}
+    return peaks.get(prec, {}).get(p)  # type: ignore[union-attr]
+
+
+def roofline(cost: StepCost, bandwidth_gbps: float) -> dict[str, Any]:
+    """Both rooflines of a step and which one binds: seconds, tokens/s and the peaks used."""
+    bw_s = cost.bytes / (bandwidth_gbps * 1e9)
+    dense_peak, expert_peak = peak_gflops(cost.dense_path), peak_gflops(cost.expert_path)
+    compute_s = None
+    if dense_peak and expert_peak:
+        # Attention runs fp32 dot products: priced at the dense path's peak.
+        compute_s = ((cost.flop_dense + cost.flop_attention) / (dense_peak * 1e9)
+                     + cost.flop_experts / (expert_peak * 1e9))
+    bound_s = max(bw_s, compute_s or 0.0)
+    return {
+        "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes, "kv_bytes_per_step": cost.kv_bytes,
+        "flop_per_step": cost.flop, "dense_path": cost.dense_path, "expert_path": cost.expert_path,
+        "dense_peak_gflops": dense_peak, "expert_peak_gflops": expert_peak,
+        "bandwidth_roofline_tokens_per_s": cost.tokens / bw_s,
+        "compute_roofline_tokens_per_s": cost.tokens / compute_s if compute_s else None,
+        "roofline_tokens_per_s": cost.tokens / bound_s,
+        "bound": "compute" if compute_s and compute_s > bw_s else "bandwidth",
+    }
+
+
+def as_dict(cost: StepCost) -> dict[str, Any]:
+    return {**asdict(cost), "bytes": cost.bytes, "flop": cost.flop}
+
+
+def run_roofline(engine, result, bandwidth_gbps: float) -> dict[str, Any] | None:
+    """The decode roofline of a workload run (``engine run``): its decode-only steps' median batch and
+    duration against the roofline of such a step (experts touched as measured over the run, contexts of
+    the mean request: prompt plus half its output). None when the run had no decode-only step."""
+    import statistics
+
+    decode = [s for s in result.steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
+    done = [r for r in result.requests if r.finish_reason != "rejected"]
+    if not decode or not done:
+        return None
+    batch = int(statistics.median(s.decode_tokens for s in decode))
+    step_s = statistics.median(s.duration_ms for s in decode) / 1e3
+    context = statistics.fmean(r.prompt_tokens + r.output_tokens / 2 for r in done)
+    touched = engine.model.stats.mean_distinct() or None
+    if touched is None:
+        spec = engine.spec
+        touched = spec.n_experts * (1.0 - (1.0 - spec.top_k / spec.n_experts) ** batch)
+    r = roofline(step_cost(engine, batch, touched, context), bandwidth_gbps)
+    achieved = batch / step_s
+    return {**r, "decode_steps": len(decode), "median_decode_batch": batch, "median_decode_step_ms": step_s * 1e3,
+            "decode_tokens_per_s": achieved, "mean_context_tokens": context, "experts_touched_per_layer": touched,
+            "mem_bw_gb_per_s": bandwidth_gbps, "roofline_fraction": achieved / r["roofline_tokens_per_s"]}

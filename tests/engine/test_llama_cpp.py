@@ -1,0 +1,134 @@
+"""llama.cpp on the same checkpoint: the GGUF files written from it, and the comparison command.
+
+The GGUF writer needs only the ``gguf`` package (a test extra): its files are read back with gguf's own
+reader and checked tensor by tensor against the checkpoint. Running them needs llama-cpp-python (the
+optional ``llama`` extra): where it is installed, llama.cpp's greedy tokens on a tiny checkpoint must
+be the engine's; where it is not, the comparison must say so and measure the other systems.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine import llama_cpp
+from engine.cli import main
+from engine.config import EngineConfig
+from engine.model.checkpoint import Checkpoint
+from engine.runtime import Engine
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 99, 100, 7]]
+
+
+@pytest.fixture
+def native_kernels(require_component):
+    """The compute rooflines need the kernels' measured path peaks."""
+    from engine import kernels
+
+    st = kernels.status()
+    if st["state"] == "broken":
+        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
+    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    return make_ckpt("qwen3_moe", dtype="bfloat16", seed=3)
+
+
+def test_gguf_files_hold_the_checkpoint(ckpt, tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    spec = Checkpoint(ckpt).spec
+    embed = dict(Checkpoint(ckpt).tensors(["model.embed_tokens.weight"]))["model.embed_tokens.weight"].float()
+    for kind in llama_cpp.GGUF_KINDS:
+        r = gguf.GGUFReader(str(llama_cpp.write_gguf(ckpt, tmp_path / f"m-{kind}.gguf", kind)))
+        arch = r.fields["general.architecture"]
+        assert bytes(arch.parts[arch.data[0]]).decode() == "qwen3moe"
+        t = {x.name: x for x in r.tensors}
+        assert len(t) == 3 + spec.n_layers * 12
+        exps = t["blk.0.ffn_gate_exps.weight"]
+        assert list(exps.shape) == [spec.hidden_size, spec.expert_intermediate, spec.n_experts]  # GGUF: reversed
+        want = {"bf16": (Q.BF16, Q.BF16), "q8_0": (Q.Q8_0, Q.Q8_0), "q4_0": (Q.Q8_0, Q.Q4_0)}[kind]
+        assert (t["blk.0.attn_q.weight"].tensor_type, exps.tensor_type) == want
+        assert t["blk.0.ffn_gate_inp.weight"].tensor_type == Q.F32 and t["output_norm.weight"].tensor_type == Q.F32
+        e = t["token_embd.weight"]
+        got = gguf.quants.dequantize(e.data, e.tensor_type).reshape(embed.shape)
+        err = np.abs(got - embed.numpy()).max() / np.abs(embed.numpy()).max()
+        assert err == 0 if kind == "bf16" else err < 0.02
+
+
+def test_gguf_export_refuses_other_families(make_ckpt, tmp_path):
+    from engine.model.arch import CheckpointError
+
+    with pytest.raises(CheckpointError, match="qwen3_moe"):
+        llama_cpp.write_gguf(make_ckpt("olmoe", dtype="bfloat16"), tmp_path / "x.gguf", "bf16")
+    with pytest.raises(ValueError, match="q5_k"):
+        llama_cpp.write_gguf(make_ckpt("qwen3_moe", dtype="bfloat16"), tmp_path / "x.gguf", "q5_k")
+
+
+def test_llama_cpp_greedy_tokens_are_the_engines(ckpt, tmp_path):
+    why = llama_cpp.available()
+    if why is not None:  # the optional extra is absent: the comparison says so instead of failing
+        assert "not installed" in why
+        return
+    ref = Engine(ckpt, EngineConfig().replace(compute_dtype="float32")).generate(PROMPTS, 8)
+    for kind in ("bf16", "q8_0"):
+        r = llama_cpp.LlamaCpp(llama_cpp.write_gguf(ckpt, tmp_path / f"m-{kind}.gguf", kind), len(PROMPTS), 32, 1)
+        try:
+            prefill_s, steps, out = r.generate(PROMPTS, 8)
+        finally:
+            r.close()
+        assert out == ref and len(steps) == 7 and prefill_s > 0, kind
+
+
+def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, native_kernels):
+    assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
+                 "--repeats", "1", "--rounds", "1", "--staggered", "0",
+                 "--systems", "transformers,engine,engine_int8,engine_int4,llama_bf16", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "int4_group_size=128" in res["skipped"]["engine_int4"]  # hidden 64: a one-line reason, not a crash
+    measured = ["transformers", "engine", "engine_int8"] + (["llama_bf16"] if llama_cpp.available() is None else [])
+    if llama_cpp.available() is not None:
+        assert "not installed" in res["skipped"]["llama_bf16"]
+    assert sorted(res["systems"]) == sorted(measured)
+    for row in res["rows"]:
+        for n in measured:
+            assert row[f"{n}_decode_tokens_per_s"] > 0 and row[f"{n}_prefill_tokens_per_s"] > 0
+            rf = row[f"{n}_roofline"]
+            assert rf["bandwidth_roofline_tokens_per_s"] > 0 and rf["bound"] in ("bandwidth", "compute")
+        assert row["engine_roofline"]["compute_roofline_tokens_per_s"] > 0
+        # int8 experts read fewer bytes than bf16 ones
+        assert row["engine_int8_roofline"]["weight_bytes_per_step"] < row["engine_roofline"]["weight_bytes_per_step"]
+    assert {t["target"] for t in res["targets"]} >= {"prefill b=1: x transformers bf16"}
+    assert res["kernel_dispatch"]["available"]
+
+
+def test_gguf_command_writes_the_files(ckpt, tmp_path, capsys):
+    assert main(["gguf", "--model", str(ckpt), "--kinds", "q8_0", "--out", str(tmp_path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["files"][0]["kind"] == "q8_0" and res["files"][0]["bytes"] > 0
+    assert main(["gguf", "--model", str(ckpt), "--kinds", "q9"]) == 2
+    assert "q9" in capsys.readouterr().err
+
+
+def test_bench_counts_the_bytes_of_the_precisions_used(ckpt, capsys, native_kernels):
+    """int8/int4 experts and a bf16 KV cache read fewer bytes than bf16 experts and an fp32 cache."""
+    rows = {}
+    for name, knobs in {"bf16": [], "int8": ["--hi-precision", "int8"],
+                        "int4": ["--hi-precision", "int4", "--int4-group-size", "32"],
+                        "kv": ["--kv-dtype", "bfloat16"]}.items():
+        assert main(["bench", "--model", str(ckpt), "--batch", "2", "--prompt-len", "8", "--new-tokens", "4",
+                     "--repeats", "1", "--compute-dtype", "float32", "--json", *knobs]) == 0
+        rows[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+    w = {n: r["weight_bytes_per_decode_step"] for n, r in rows.items()}
+    assert w["int4"] < w["int8"] < w["bf16"] == w["kv"]
+    assert rows["kv"]["kv_bytes_per_decode_step"] * 2 == rows["bf16"]["kv_bytes_per_decode_step"]
+    for r in rows.values():
+        assert r["roofline_bound"] in ("bandwidth", "compute") and r["compute_roofline_decode_tokens_per_s"] > 0
+        assert r["roofline_decode_tokens_per_s"] == min(r["bandwidth_roofline_decode_tokens_per_s"],
+                                                        r["compute_roofline_decode_tokens_per_s"])
+    assert rows["int8"]["decode_paths"]["experts"].startswith("int8/")
