@@ -19,12 +19,14 @@ knob.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,6 +89,20 @@ def _flags(torch_dir: Path, march: str = "native") -> list[str]:
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 
+def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler in its own process group, so that an interrupted build (Ctrl-C, a test's timeout)
+    stops the compiler's own children too (``cc1plus`` outlives a killed ``g++``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _build(cxx: str, march: str = "native") -> Path:
     """Compile (or find already compiled) the library for ``-march=march``; returns its path."""
     torch_dir = Path(torch.__file__).parent
@@ -101,7 +117,11 @@ def _build(cxx: str, march: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     log.info("building moetune's CPU kernels with %s (once per machine; 19 s on a 2-core Ice Lake)", cxx)
-    res = subprocess.run([cxx, str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True, check=False)
+    try:
+        res = _compile([cxx, str(SOURCE), "-o", tmp, *flags])
+    except BaseException:
+        os.unlink(tmp)
+        raise
     if res.returncode != 0:
         os.unlink(tmp)
         lines = res.stderr.strip().splitlines()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -325,6 +327,43 @@ def test_a_compiler_that_fails_is_an_error_not_a_fallback(make_ckpt, tmp_path):
     assert "runtime.cpu_kernels='auto'" in line and "/bin/false" in line and "--cpu-kernels torch" in line
     assert "Traceback" not in bad.stderr
     assert _generate(path, env, "--cpu-kernels", "torch").returncode == 0  # the explicit way out works
+
+
+def test_an_interrupted_build_stops_the_compilers_children(tmp_path):
+    """Ctrl-C (or a test's timeout) during the first build leaves no compiler process running."""
+    child_pid = tmp_path / "child.pid"
+    cxx = tmp_path / "slow-c++"
+    cxx.write_text("#!/bin/sh\n"
+                   'if [ "$1" = --version ]; then echo slow-c++ 1.0; exit 0; fi\n'
+                   f"sleep 300 & echo $! > {child_pid}\nwait\n")
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "MOETUNE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", "from engine import kernels; kernels.load()"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (child_pid.exists() and child_pid.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the build did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        proc.kill()
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the compiler's child outlived the interrupted build"
+    assert not list((tmp_path / "cache").rglob("*.so")), "a half-built library was left in the cache"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its reaper is gone for our purpose
+        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9])
