@@ -117,8 +117,9 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
     (pinned memory on CUDA; a host memory copy where both tiers are host memory). Cached per machine.
     """
     from engine.moe.policy import CostModel, fit_compute_cost
+    from engine.precision import precision_of
 
-    prec = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    prec = precision_of(dtype)
     h, i = spec.hidden_size, spec.expert_intermediate
 
     def time_expert(dev: torch.device, tokens: int) -> tuple[int, int, float]:

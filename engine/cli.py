@@ -1,4 +1,5 @@
-"""``engine``: check the machine, make models, generate, replay workloads, benchmark, list knobs.
+"""``engine``: check the machine, make models, generate, replay workloads, serve the OpenAI API, benchmark,
+list knobs.
 
 Every measuring command takes ``--json``: a readable table first, then one JSON object as the last
 line of stdout. Bad input is one line on stderr and exit status 2.
@@ -12,6 +13,7 @@ import logging
 import sys
 from typing import Any
 
+from engine.backend import BACKENDS
 from engine.config import ConfigError, EngineConfig, add_cli_args, config_from_args, knob_table
 from engine.model.arch import ARCHS, CheckpointError
 from engine.model.maker import DEFAULT_ROUTER_SKEW, PRESETS
@@ -122,22 +124,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from engine.backend import make_backend
     from engine.runner import popularity, run_workload
     from workloads.schema import load_workload
 
     workload = load_workload(args.workload)
-    engine = _load_engine(args)
+    cfg = _engine_config(args)
+    if getattr(args, "config", None):
+        _warn_if_tuned_elsewhere(args.config, args.model)
+    backend = make_backend(args.model, cfg, kind=args.backend)
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
             bar.update(done - bar.n)
 
-        result = run_workload(engine, workload, mode=args.mode, rate_scale=args.rate_scale,
-                              max_requests=args.max_requests, on_step=on_step)
+        result = run_workload(backend, workload, mode=args.mode, rate_scale=args.rate_scale,
+                              max_requests=args.max_requests, on_step=on_step, decisions=bool(args.decisions))
     s = result.summary()
-    print(f"model {engine.model_path} ({engine.spec.arch}, {result.meta['compute_dtype']} on {engine.device}); "
-          f"workload {workload.name} ({args.mode}); {s['requests_done']}/{s['requests']} requests in "
-          f"{s['duration_s']:.1f}s")
+    meta = result.meta
+    ran = f"{meta['compute_dtype']} on {meta['device']}" if meta["backend"] == "live" else \
+        f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
+    print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
+          f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
     rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
             for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
@@ -147,6 +155,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.popularity:
         print(_table(pop, ["layer", "tokens", "top10pct_share", "entropy_norm", "hottest"],
                      {"top10pct_share": ".2f", "entropy_norm": ".3f"}))
+    if args.decisions:
+        with open(args.decisions, "w") as fh:
+            for entry in result.decisions or []:
+                fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        print(f"wrote {len(result.decisions or [])} decisions to {args.decisions}")
     full = result.to_dict()
     full["popularity"] = pop
     if args.out:
@@ -230,6 +243,58 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from engine.env import api_key as env_api_key
+    from engine.serve.app import bind_socket, lower_this_thread, make_server, uvicorn_server
+    from engine.serve.config import serve_config_from_args
+
+    settings = serve_config_from_args(args)
+    key = args.api_key or env_api_key()
+    engine = _load_engine(args)
+    name = settings.served_model_name or args.model
+    server = make_server(engine, settings, name, key)
+    sock = bind_socket(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    text = ("text and token ids" if server.text is not None else "token ids only (no tokenizer.json)")
+    print(f"engine: serving {name} ({engine.spec.arch}, {str(engine.dtype).replace('torch.', '')} on "
+          f"{engine.device}) with config {engine.config.config_hash()}"
+          + (f" from {args.config}" if args.config else " (defaults and flags)")
+          + f"; {text}; http://{host if ':' not in host else f'[{host}]'}:{port}/v1", flush=True)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not key:
+        print(f"engine: warning: listening on {host} without an API key (--api-key or MOETUNE_API_KEY)",
+              file=sys.stderr)
+    server.loop.start()  # its thread, and the compute threads it starts, keep this thread's priority
+    lower_this_thread(settings.http_thread_nice)  # then HTTP (this thread) yields to engine steps
+    try:
+        uvicorn_server(server.app(), settings).run(sockets=[sock])
+    finally:
+        server.loop.close()
+        sock.close()
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from engine.serve.bench import format_bench, run_bench_serve
+
+    if args.config:
+        _warn_if_tuned_elsewhere(args.config, args.model)
+    res = run_bench_serve(args.model, _engine_config(args), args.workload, mode=args.mode, rate_scale=args.rate_scale,
+                          max_requests=args.max_requests or None, repeats=args.repeats,
+                          inprocess_thread=args.inprocess_thread, client_nice=args.client_nice,
+                          server_args=["--http-thread-nice", str(args.http_thread_nice)]
+                          if args.http_thread_nice is not None else None)
+    print(format_bench(res))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_knobs(args: argparse.Namespace) -> int:
     rows = knob_table()
     if args.json:
@@ -284,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-requests", type=int, default=None)
     r.add_argument("--popularity", action="store_true", help="print the expert popularity seen per layer")
     r.add_argument("--out", help="write the full result JSON here")
+    r.add_argument("--decisions", metavar="OUT.jsonl",
+                   help="write the expert plan of every step and MoE layer here, one JSON object a line "
+                        "(also the result's 'decisions' field)")
+    r.add_argument("--backend", choices=BACKENDS, default="live",
+                   help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
+                        "router trace, with no tensors (prices nothing: steps take 0 s)")
     r.add_argument("--quiet", action="store_true")
     model_args(r)
     r.set_defaults(fn=cmd_run)
@@ -322,6 +393,31 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quality-prompts", type=int, default=4)
     model_args(w)
     w.set_defaults(fn=cmd_sweep)
+
+    from engine.serve.config import add_serve_args
+
+    v = sub.add_parser("serve", help="the OpenAI API (completions, chat, models, metrics) for a model and config")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(default: $MOETUNE_API_KEY; none: no key)")
+    model_args(v)
+    add_serve_args(v)
+    v.set_defaults(fn=cmd_serve)
+
+    bs = sub.add_parser("bench-serve", help="HTTP overhead: `workloads replay` against `engine serve` vs "
+                        "`engine run` in process, same workload and config")
+    bs.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    bs.add_argument("--mode", choices=["realtime", "offline"], default="realtime")
+    bs.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
+    bs.add_argument("--max-requests", type=int, default=20, help="replay the first N requests (0 = all)")
+    bs.add_argument("--repeats", type=int, default=3, help="interleaved rounds of (served, in process)")
+    bs.add_argument("--inprocess-thread", choices=["worker", "main"], default="worker",
+                    help="run the in-process replay on a worker thread (as the server's engine loop) or the main "
+                    "thread (as `engine run`)")
+    bs.add_argument("--http-thread-nice", type=int, help="the server's serve.http_thread_nice (default: its own)")
+    bs.add_argument("--client-nice", type=int, default=10,
+                    help="niceness of the replay client's thread (a remote client would take none of this CPU)")
+    model_args(bs)
+    bs.set_defaults(fn=cmd_bench_serve)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")

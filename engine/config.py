@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
+
+from engine.precision import INT4_GROUP_SIZES
 
 
 class ConfigError(ValueError):
@@ -25,7 +29,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Search:
-    """How the tuner searches a knob: a numeric range (``low``..``high``) or a list of choices."""
+    """How the tuner searches a knob: a numeric range (``low``..``high``) or a list of choices.
+
+    ``Search()`` on a knob typed ``Literal[...]`` searches every choice of the type (nothing restated).
+    """
 
     low: float | None = None
     high: float | None = None
@@ -44,6 +51,7 @@ def knob(
     behaviour: bool = True,
     when: dict[str, tuple[Any, ...]] | None = None,
     needs: str | None = None,
+    executor: bool = True,
 ) -> Any:
     """Declare one knob.
 
@@ -51,9 +59,11 @@ def knob(
     ``when`` makes a knob conditional: it acts (and is searched) only when each named knob of the same
     config has one of the listed values. ``needs="gpu"`` marks knobs that can only act on an NVIDIA GPU;
     ``needs="accelerator"`` those whose effect needs a fast tier distinct from host memory.
+    ``executor=False`` marks a knob of the expert areas (:data:`EXPERT_AREAS`) that the plain engine
+    honours itself, without the hybrid expert executor (see :func:`departures_from_plain`).
     """
     meta = {"doc": doc, "min": min, "max": max, "search": search, "behaviour": behaviour,
-            "when": when or {}, "needs": needs}
+            "when": when or {}, "needs": needs, "executor": executor}
     if isinstance(default, (list, dict)):
         raise TypeError("knob defaults must be immutable")
     return field(default=default, metadata=meta)
@@ -114,7 +124,12 @@ class SamplingConfig:
         "needs the recorded output lengths).")
 
 
-_PLANNED = {"residency": ("static", "dynamic", "cache")}
+HOTNESS_RESIDENCIES = ("static", "dynamic")
+"""Residency policies placed from a hotness profile (a router trace, or warm-up routing)."""
+PLANNED_RESIDENCIES = (*HOTNESS_RESIDENCIES, "cache")
+"""Residency policies that keep only some experts on the fast tier."""
+_PLANNED = {"residency": PLANNED_RESIDENCIES}
+_HOT = {"residency": HOTNESS_RESIDENCIES}
 _REPLICATED = {"max_replicas": tuple(range(1, 17))}
 
 
@@ -126,7 +141,7 @@ class ResidencyConfig:
         "all",
         "all: every expert on the fast tier; static: the hottest per layer from a hotness profile; dynamic: "
         "re-planned from long-horizon hotness while serving; cache: LRU/LFU expert cache.",
-        search=Search(choices=("all", "static", "dynamic", "cache")))
+        search=Search())
     resident_budget_gib: float = knob(
         1.0, "Fast-tier memory for expert weights (GiB), used by static, dynamic and cache residency.",
         min=0.0, max=4096.0, search=Search(low=0.0, high=8.0), when=_PLANNED)
@@ -138,7 +153,7 @@ class ResidencyConfig:
         when={"budget_split": ("vector",)})
     hotness_warmup_tokens: int = knob(
         256, "Tokens routed at start-up to count expert hotness when the workload has no router trace.",
-        min=0, max=1 << 20)
+        min=0, max=1 << 20, when=_HOT)
     dynamic_halflife_tokens: int = knob(
         2048, "Half-life (routed tokens) of the moving average of expert hotness for dynamic residency.",
         min=1, max=1 << 24, search=Search(low=256, high=16384, log=True), when={"residency": ("dynamic",)})
@@ -148,8 +163,11 @@ class ResidencyConfig:
     dynamic_hysteresis: float = knob(
         0.2, "Promote an expert only if its hotness beats the coldest resident's by this fraction.",
         min=0.0, max=10.0, search=Search(low=0.0, high=1.0), when={"residency": ("dynamic",)})
+    dynamic_max_swaps_per_replan: int = knob(
+        0, "Most tier exchanges per MoE layer in one re-plan under dynamic residency (0 = one per 8 experts, "
+        "at least one).", min=0, max=1 << 16, when={"residency": ("dynamic",)})
     cache_policy: Literal["lru", "lfu"] = knob(
-        "lru", "Eviction order of the expert cache.", search=Search(choices=("lru", "lfu")), when={"residency": ("cache",)})
+        "lru", "Eviction order of the expert cache.", search=Search(), when={"residency": ("cache",)})
     prefetch_experts: int = knob(
         0, "Cache residency: next-layer experts to prefetch from learned co-occurrence (0 = off).",
         min=0, max=64, search=Search(low=0, high=8), when={"residency": ("cache",)})
@@ -158,10 +176,11 @@ class ResidencyConfig:
         search=Search(choices=("auto", "int8", "int4")))
     lo_precision: Literal["none", "bf16", "fp16", "int8", "int4"] = knob(
         "none", "Precision of a low-precision fallback copy kept resident where the budget allows (DynaExq).",
-        search=Search(choices=("none", "int8", "int4")), when={"residency": ("static", "dynamic")})
+        search=Search(choices=("none", "int8", "int4")), when=_HOT)
     int4_group_size: int = knob(
-        128, "Group size (input channels per scale) of int4 weights; must divide hidden and expert widths.",
-        min=32, max=256, search=Search(choices=(32, 64, 128)), when={"hi_precision": ("int4",)})
+        128, "Group size (input channels per scale) of int4 weights, a power of two; must divide hidden and "
+        "expert widths.", min=INT4_GROUP_SIZES[0], max=INT4_GROUP_SIZES[-1],
+        search=Search(choices=INT4_GROUP_SIZES[:-1]), when={"hi_precision": ("int4",)})
 
 
 @dataclass(frozen=True)
@@ -170,7 +189,7 @@ class ExecutionConfig:
 
     missing_expert: Literal["host", "fetch", "auto"] = knob(
         "auto", "A non-resident expert is computed on the host CPU, fetched to the fast tier, or either, "
-        "decided per expert per step by calibrated costs.", search=Search(choices=("host", "fetch", "auto")), when=_PLANNED, needs="accelerator")
+        "decided per expert per step by calibrated costs.", search=Search(), when=_PLANNED, needs="accelerator")
     max_replicas: int = knob(
         0, "Extra copies of predicted-overloaded experts whose tokens are split across them (0 = off).",
         min=0, max=16, search=Search(low=0, high=3), needs="accelerator")
@@ -184,7 +203,7 @@ class ExecutionConfig:
     expert_batching: Literal["coalesced", "micro"] = knob(
         "coalesced", "coalesced: all of a step's tokens for an expert in one product; micro: split the step "
         "into micro-batches, overlapping one's transfers or host compute with another's device compute.",
-        search=Search(choices=("coalesced", "micro")))
+        search=Search())
     micro_batch_tokens: int = knob(
         32, "Tokens per micro-batch under expert_batching=micro.", min=1, max=1 << 20,
         search=Search(low=4, high=256, log=True), when={"expert_batching": ("micro",)})
@@ -196,7 +215,7 @@ class ExecutionConfig:
         min=0, max=1024, search=Search(low=0, high=64))
     decode_attention: Literal["device", "host"] = knob(
         "device", "Where decode attention and its KV cache live: the model's device or the host CPU.",
-        search=Search(choices=("device", "host")), needs="accelerator")
+        search=Search(), needs="accelerator", executor=False)
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,9 @@ class RoutingConfig:
         0.0, "Skip experts whose renormalised gate weight is below this (the rest renormalised; top-1 kept).",
         min=0.0, max=1.0, search=Search(low=0.0, high=0.2))
 
+
+EXPERT_AREAS = ("experts", "execution", "routing")
+"""Areas whose knobs, set away from their defaults, need the hybrid expert executor."""
 
 AREAS: dict[str, type] = {
     "runtime": RuntimeConfig,
@@ -237,6 +259,7 @@ class KnobInfo:
     behaviour: bool
     when: dict[str, tuple[Any, ...]]
     needs: str | None
+    executor: bool = True
 
     @property
     def key(self) -> str:
@@ -302,22 +325,37 @@ def _knob_info(area: str, cls: type, f: dataclasses.Field) -> KnobInfo:
         choices = get_args(tp)
         tp = type(choices[0])
     meta = f.metadata
-    return KnobInfo(area, f.name, tp, f.default, meta["doc"], meta["min"], meta["max"], choices,
-                    meta["search"], meta["behaviour"], meta["when"], meta["needs"])
+    search = meta["search"]
+    if search is not None and search.choices is None and search.low is None and search.high is None:
+        if choices is None:
+            raise TypeError(f"knob {area}.{f.name}: Search() without a range needs a Literal type to take choices from")
+        search = dataclasses.replace(search, choices=choices)  # every choice of the Literal, stated once
+    return KnobInfo(area, f.name, tp, f.default, meta["doc"], meta["min"], meta["max"], choices, search,
+                    meta["behaviour"], meta["when"], meta["needs"], meta["executor"] and area in EXPERT_AREAS)
+
+
+@functools.cache
+def _registry() -> tuple[KnobInfo, ...]:
+    return tuple(_knob_info(area, cls, f) for area, cls in AREAS.items() for f in dataclasses.fields(cls))
 
 
 def knobs() -> list[KnobInfo]:
     """Every knob of every area, in declaration order."""
-    return [_knob_info(area, cls, f) for area, cls in AREAS.items() for f in dataclasses.fields(cls)]
+    return list(_registry())
 
 
-def _knobs_by_name() -> dict[str, KnobInfo]:
+@functools.cache
+def _by_name() -> dict[str, KnobInfo]:
     out: dict[str, KnobInfo] = {}
-    for k in knobs():
+    for k in _registry():
         if k.name in out:  # flat names are CLI flags: they must be unique across areas
             raise RuntimeError(f"knob name {k.name} declared in two areas")
         out[k.name] = k
     return out
+
+
+def _knobs_by_name() -> dict[str, KnobInfo]:
+    return dict(_by_name())
 
 
 @dataclass(frozen=True)
@@ -342,10 +380,7 @@ class EngineConfig:
 
     def replace(self, **flat: Any) -> EngineConfig:
         """A copy with knobs changed by flat name (``max_batch_seqs=8``), validated."""
-        data = self.to_dict()
-        for area, values in _nest(flat, "replace()").items():
-            data[area].update(values)
-        return EngineConfig.from_dict(data, source="replace()")
+        return EngineConfig.from_dict(merge_flat(self.to_dict(), flat, "replace()"), source="replace()")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> EngineConfig:
@@ -405,8 +440,9 @@ class EngineConfig:
                                   "weights must be >= 0 with a positive sum")
         if r.lo_precision != "none" and r.hi_precision == r.lo_precision:
             raise ConfigError(f"{source}: experts.lo_precision={r.lo_precision!r} equals hi_precision")
-        if r.int4_group_size & (r.int4_group_size - 1):
-            raise ConfigError(f"{source}: experts.int4_group_size={r.int4_group_size}: must be a power of two")
+        if r.int4_group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"{source}: experts.int4_group_size={r.int4_group_size}: must be one of "
+                              f"{', '.join(map(str, INT4_GROUP_SIZES))} (a power of two)")
 
     def validate_for(self, spec, device_mem_bytes: int | None, source: str = "config") -> None:
         """Checks that need the model and the machine; run before any model work."""
@@ -453,6 +489,30 @@ def _nest(data: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def merge_flat(nested: Mapping[str, Mapping[str, Any]], changes: Mapping[str, Any], source: str = "config"
+               ) -> dict[str, dict[str, Any]]:
+    """``nested`` (``{"scheduler": {...}, ...}``) with ``changes`` applied, in flat (``max_batch_seqs``),
+    dotted (``scheduler.max_batch_seqs``) or nested form; unvalidated values, unknown keys refused.
+    The one flat-to-nested merge: validate the result with :meth:`EngineConfig.from_dict`."""
+    out = {area: dict(values) for area, values in nested.items()}
+    for area, values in _nest(dict(changes), source).items():
+        out.setdefault(area, {}).update(values)
+    return out
+
+
+def departures_from_plain(cfg: EngineConfig) -> list[str]:
+    """Keys of the expert knobs (:data:`EXPERT_AREAS`) that act in ``cfg`` and are away from their
+    defaults: each needs the hybrid expert executor. Empty for a plain config."""
+    return [k.key for k in knobs() if k.executor and knob_active(cfg, k)
+            and getattr(getattr(cfg, k.area), k.name) != k.default]
+
+
+def knob_default(name: str) -> Any:
+    """The registry's default of a knob, by flat name or ``area.name`` key."""
+    key = name.split(".", 1)[-1]
+    return _knobs_by_name()[key].default
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag`` per knob; unset flags stay None so a config file or the default applies."""
     group = parser.add_argument_group("engine knobs (see `engine knobs`)")
@@ -473,10 +533,7 @@ def config_from_args(args: argparse.Namespace, base: EngineConfig | None = None)
             if name.startswith("knob__") and v is not None}
     if not flat:
         return base
-    data = base.to_dict()
-    for name, value in flat.items():
-        data[_knobs_by_name()[name].area][name] = value
-    return EngineConfig.from_dict(data, source="command line")
+    return EngineConfig.from_dict(merge_flat(base.to_dict(), flat, "command line"), source="command line")
 
 
 def inert_knobs(has_gpu: bool) -> dict[str, str]:

@@ -16,3 +16,8 @@ def cache_dir() -> Path:
 def db_url() -> str | None:
     """The results database URL given by ``MOETUNE_DB``, if any."""
     return os.environ.get("MOETUNE_DB") or None
+
+
+def api_key() -> str | None:
+    """The key ``engine serve`` requires as ``Authorization: Bearer`` (``MOETUNE_API_KEY``), if any."""
+    return os.environ.get("MOETUNE_API_KEY") or None

@@ -12,7 +12,15 @@ from importlib import metadata
 from typing import Any
 
 import psutil
-import torch
+
+
+def _torch() -> Any:
+    """torch, or None in a process without it (a backend without tensors runs there)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def _cpu_model() -> str:
@@ -53,7 +61,8 @@ def hardware() -> dict[str, Any]:
         "cpu_features": sorted(f for f in flags if f in ISA_FLAGS or f.startswith("amx")),
         "gpu": None,
     }
-    if torch.cuda.is_available():
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": p.name, "count": torch.cuda.device_count(), "mem_total_bytes": p.total_memory,
                        "sm_count": p.multi_processor_count}
@@ -69,6 +78,10 @@ def software() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             return "absent"
 
+    torch = _torch()
+    if torch is None:  # a backend without tensors, in a process without torch
+        return {"python": sys.version.split()[0], "torch": "absent", "moetune": version("moetune"), "cuda": "none",
+                "platform": platform.platform(), "kernels": None}
     return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
             "cuda": torch.version.cuda or "none", "platform": platform.platform(), "kernels": kernel_state()}
 

@@ -112,6 +112,8 @@ class RunResult:
     peak_rss_bytes: int
     peak_device_mem_bytes: int | None = None
     quality: dict[str, float] | None = None
+    decisions: list[dict[str, Any]] | None = None
+    """The plan of every step and MoE layer when the run kept them (``engine run --decisions``)."""
 
     def summary(self) -> dict[str, Any]:
         """Totals and percentiles; the numbers the tuner and the dashboard read."""
@@ -146,7 +148,7 @@ class RunResult:
         return s
 
     def to_dict(self, with_ids: bool = False) -> dict[str, Any]:
-        return {
+        out = {
             "meta": self.meta,
             "summary": self.summary(),
             "requests": [r.to_dict(with_ids) for r in self.requests],
@@ -154,3 +156,6 @@ class RunResult:
             "telemetry": [dataclasses.asdict(t) for t in self.telemetry],
             "expert_stats": [dataclasses.asdict(e) for e in self.expert_stats],
         }
+        if self.decisions is not None:
+            out["decisions"] = self.decisions
+        return out

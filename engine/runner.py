@@ -1,23 +1,24 @@
-"""Replay a workload through the engine and measure every request, step and expert.
+"""Replay a workload through a backend and measure every request, step and expert.
 
-Real-time mode releases each request at its arrival time (divided by ``rate_scale``) on the wall
-clock, so queueing shows up in TTFT; offline mode releases them all at time zero (throughput).
+Real-time mode releases each request at its arrival time (divided by ``rate_scale``) on the
+backend's clock, so queueing shows up in TTFT; offline mode releases them all at time zero
+(throughput). The runner knows only the step interface of :mod:`engine.backend`: the live engine
+runs on the wall clock, a backend without tensors on a virtual clock that jumps to the next arrival.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
-from engine.config import inert_knobs
+from engine.backend import Backend, Clock, RunStart, as_backend, make_backend
 from engine.hwinfo import hardware, software
-from engine.results import ExpertStat, RequestResult, RunResult, StepRecord
-from engine.runtime import Engine
+from engine.results import RequestResult, RunResult, StepRecord
 from engine.telemetry import TelemetrySampler
 
 if TYPE_CHECKING:
@@ -29,64 +30,75 @@ log = logging.getLogger(__name__)
 Mode = Literal["realtime", "offline"]
 
 
-def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", rate_scale: float = 1.0,
-                 max_requests: int | None = None, record_routes: bool = False,
-                 on_step: Callable[[int, int], Any] | None = None) -> RunResult:
-    """Replay ``workload`` on ``engine``; returns per-request, per-step, per-expert results and telemetry.
+@dataclass(frozen=True)
+class RunProgress:
+    """What a run has done so far, handed to ``on_progress`` after every step: the clock's time,
+    requests finished (or rejected) of the total, and each request's timeline so far (times in
+    seconds of the run's clock; read-only)."""
 
-    ``on_step(done, total)`` is called after every step (progress bars, pruning callbacks).
-    With ``record_routes`` the result's ``meta["routes"]`` holds, per request key, the expert ids and gate
-    weights of every token the model processed for it: arrays [tokens, moe layers, k].
+    now_s: float
+    done: int
+    total: int
+    requests: Mapping[str, RequestResult]
+
+
+def run_workload(backend: Backend | Any, workload: Workload, mode: Mode = "realtime", rate_scale: float = 1.0,
+                 max_requests: int | None = None, record_routes: bool = False,
+                 on_step: Callable[[int, int], Any] | None = None, *, clock: Clock | None = None,
+                 decisions: bool = False, on_progress: Callable[[RunProgress], Any] | None = None) -> RunResult:
+    """Replay ``workload`` on ``backend``; returns per-request, per-step, per-expert results and telemetry.
+
+    ``backend`` is any :class:`~engine.backend.Backend` (an :class:`~engine.runtime.Engine` is wrapped
+    as the live one). ``clock`` defaults to the backend's own. ``on_step(done, total)`` is called after
+    every step (progress bars) and ``on_progress`` with a :class:`RunProgress` (SLO watches; an
+    exception it raises ends the run). With ``record_routes`` the result's ``meta["routes"]`` holds,
+    per request key, the expert ids and gate weights of every token the model processed for it:
+    arrays [tokens, moe layers, k]. With ``decisions`` the result's ``decisions`` holds the plan of
+    every step and MoE layer (see :class:`~engine.moe.policy.plan.DecisionLog`).
     """
     if rate_scale <= 0:
         raise ValueError(f"rate_scale={rate_scale}: must be > 0")
-    if workload.router_trace is not None:
-        # A trace recorded with another model would mislead every placement decision built on it.
-        workload.router_trace.check_model(engine.spec.identity(engine.fingerprint), f"workload {workload.name}")
-        if engine.config.experts.residency in ("static", "dynamic"):
-            engine.set_hotness(workload.router_trace.hotness())
-    if engine.hotness is None:
-        engine.warm_up_hotness()  # no-op unless static or dynamic residency needs a profile
+    backend = as_backend(backend)
+    backend.start(RunStart(f"workload {workload.name}", workload.router_trace, record_routes, decisions))
     requests = list(workload.requests)[: max_requests or None]
-    seed = engine.config.runtime.seed
-    prompts = {r.request_id: r.prompt_token_ids(engine.spec.vocab_size, seed) for r in requests}
+    seed = backend.config.runtime.seed
+    vocab = backend.spec.vocab_size
+    prompts = {r.request_id: r.prompt_token_ids(vocab, seed) for r in requests}
     arrivals = {r.request_id: (0.0 if mode == "offline" else r.arrival_s / rate_scale) for r in requests}
     results = {r.request_id: RequestResult(r.request_id, arrivals[r.request_id], len(prompts[r.request_id]), 0,
                                            None, None, [], "", r.tag) for r in requests}
     last_token_s: dict[str, float] = {}
     steps: list[StepRecord] = []
-    routes: dict[str, list[np.ndarray]] = {}
-    engine.model.stats.reset()
-    engine.model.record_routes = record_routes
     pending = sorted(requests, key=lambda r: arrivals[r.request_id])
     next_req = 0
     n_done = 0
-    sampler = TelemetrySampler()
-    if engine.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(engine.device)
+    clock = clock or backend.clock()
+    sampler = TelemetrySampler() if clock.real else None
     t0 = time.perf_counter()
-    sampler.start(t0)
+    clock.start()
+    if sampler is not None:
+        sampler.start(t0)
+    tail = None
     try:
-        while next_req < len(pending) or engine.has_work:
-            now = time.perf_counter() - t0
+        while next_req < len(pending) or backend.has_work:
+            now = clock.now()
             while next_req < len(pending) and arrivals[pending[next_req].request_id] <= now:
                 r = pending[next_req]
-                seq = engine.add(r.request_id, prompts[r.request_id], r.max_new_tokens)
+                seq = backend.add(r.request_id, prompts[r.request_id], r.max_new_tokens)
                 if seq.finish_reason == "rejected":
                     results[r.request_id].finish_reason = "rejected"
                     n_done += 1
                 next_req += 1
-            if not engine.has_work:
-                # Nothing to run until the next request arrives: wait for it on the wall clock.
-                time.sleep(max(0.0, arrivals[pending[next_req].request_id] - (time.perf_counter() - t0)))
+            if not backend.has_work:
+                # Nothing to run until the next request arrives: wait for it on the clock.
+                clock.wait_until(arrivals[pending[next_req].request_id])
                 continue
-            start_s = time.perf_counter() - t0
-            out = engine.step()
-            end_s = time.perf_counter() - t0
+            start_s = clock.now()
+            out = backend.step()
+            clock.advance(out.duration_s)
+            end_s = clock.now()
             steps.append(StepRecord(len(steps), start_s, out.duration_s * 1e3, out.batch_seqs, out.prefill_tokens,
                                     out.decode_tokens))
-            if record_routes:
-                _collect_routes(engine, routes)
             for key, tok in out.tokens:
                 res = results[key]
                 if res.first_token_s is None:
@@ -102,47 +114,21 @@ def run_workload(engine: Engine, workload: Workload, mode: Mode = "realtime", ra
                 n_done += 1
             if on_step is not None:
                 on_step(n_done, len(requests))
+            if on_progress is not None:
+                on_progress(RunProgress(end_s, n_done, len(requests), results))
     finally:
-        engine.model.record_routes = False
-        telemetry = sampler.stop()
-        if engine.model.hybrid is not None:
-            engine.model.hybrid.drain()
-    duration_s = time.perf_counter() - t0
-    peak_dev = int(torch.cuda.max_memory_allocated(engine.device)) if engine.device.type == "cuda" else None
-    meta = run_meta(engine, workload, mode, rate_scale)
+        telemetry = sampler.stop() if sampler is not None else []
+        tail = backend.finish()
+    duration_s = clock.now()
+    meta = {**backend.describe(), **run_meta(backend, workload, mode, rate_scale)}
+    meta.update(tiers=tail.tiers.as_dict() if tail.tiers is not None else None,
+                fast_tier_expert_bytes=tail.fast_tier_expert_bytes, **tail.extra_meta)
     if record_routes:
-        meta["routes"] = {k: _stack_routes(v) for k, v in routes.items()}
+        meta["routes"] = tail.routes or {}
     return RunResult(meta=meta, requests=[results[r.request_id] for r in requests], steps=steps,
-                     telemetry=telemetry, expert_stats=expert_stats(engine), duration_s=duration_s,
-                     peak_rss_bytes=sampler.peak_rss_bytes(), peak_device_mem_bytes=peak_dev)
-
-
-def _collect_routes(engine: Engine, routes: dict[str, list[np.ndarray]]) -> None:
-    """Split the last step's per-layer expert choices by request."""
-    recs = engine.model.routes
-    if not recs:
-        return
-    ids = torch.stack([r.expert_ids for r in recs], dim=1).cpu().numpy().astype(np.int16)  # [T, L, K]
-    ws = torch.stack([r.gate_weights for r in recs], dim=1).float().cpu().numpy().astype(np.float16)
-    for key, start, n in engine.last_token_owners:
-        routes.setdefault(key, []).append(np.stack([ids[start: start + n], ws[start: start + n]]))
-
-
-def _stack_routes(chunks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    arr = np.concatenate(chunks, axis=1)  # [2, tokens, L, K]
-    return arr[0].astype(np.int16), arr[1].astype(np.float16)
-
-
-def expert_stats(engine: Engine) -> list[ExpertStat]:
-    """Tokens routed to each expert, and where it lived and in which precision at the end of the run."""
-    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[str(engine.dtype).replace("torch.", "")]
-    table = engine.model.hybrid.expert_table() if engine.model.hybrid is not None else {}
-    out = []
-    for layer, counts in sorted(engine.model.stats.counts.items()):
-        for e, n in enumerate(counts.tolist()):
-            resident, prec, replicas = table.get((layer, e), (True, precision, 0))
-            out.append(ExpertStat(layer, e, int(n), resident=resident, precision=prec, replicas=replicas))
-    return out
+                     telemetry=telemetry, expert_stats=tail.expert_stats, duration_s=duration_s,
+                     peak_rss_bytes=sampler.peak_rss_bytes() if sampler is not None else 0,
+                     peak_device_mem_bytes=tail.peak_device_mem_bytes, decisions=tail.decisions)
 
 
 def popularity(result: RunResult) -> list[dict[str, Any]]:
@@ -165,25 +151,14 @@ def popularity(result: RunResult) -> list[dict[str, Any]]:
     return rows
 
 
-def run_meta(engine: Engine, workload: Workload, mode: str, rate_scale: float) -> dict[str, Any]:
+def run_meta(backend: Backend, workload: Workload, mode: str, rate_scale: float) -> dict[str, Any]:
+    """What a run ran besides the backend's own description: workload, mode, config, machine, time."""
     return {
-        "model": {**engine.ckpt.describe(), "fingerprint": engine.fingerprint,
-                  "identity": engine.spec.identity(engine.fingerprint)},
         "workload": {"name": workload.name, "requests": len(workload.requests)},
         "mode": mode,
         "rate_scale": rate_scale,
-        "config": engine.config.to_dict(),
-        "config_hash": engine.config.config_hash(),
-        "device": str(engine.device),
-        "compute_dtype": str(engine.dtype).replace("torch.", ""),
-        "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
-        "cpu_kernels": engine.kernels_label,
-        # Tiers are distinct only with an accelerator; elsewhere the hybrid code runs on host memory alone.
-        "hybrid": engine.device.type == "cuda" and engine.model.hybrid is not None,
-        "inert_knobs": {**inert_knobs(engine.device.type == "cuda"),
-                        **(engine.model.hybrid.inert if engine.model.hybrid is not None else {})},
-        "tiers": engine.model.hybrid.stats.as_dict() if engine.model.hybrid is not None else None,
-        "fast_tier_expert_bytes": engine.model.hybrid.fast_bytes() if engine.model.hybrid is not None else None,
+        "config": backend.config.to_dict(),
+        "config_hash": backend.config.config_hash(),
         "hardware": hardware(),
         "software": software(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -192,16 +167,17 @@ def run_meta(engine: Engine, workload: Workload, mode: str, rate_scale: float) -
 
 def record_router_trace(model: str, workload: Workload, config=None, max_requests: int | None = None
                         ) -> RouterTrace:
-    """Run ``workload`` offline on ``model`` and return the router trace of every processed token."""
+    """Run ``workload`` offline on ``model`` (the live backend) and return the router trace of every
+    processed token: the model's own top-k choices, before any routing knob prunes them."""
     from workloads.router import RouterTrace
 
-    engine = Engine(model, config)
-    result = run_workload(engine, workload, mode="offline", max_requests=max_requests, record_routes=True)
+    backend = make_backend(model, config)
+    result = run_workload(backend, workload, mode="offline", max_requests=max_requests, record_routes=True)
     routes = result.meta["routes"]
     keys = [r.request_id for r in workload.requests[: max_requests or None] if r.request_id in routes]
     return RouterTrace.from_arrays(
         request_ids=keys,
         expert_ids=[routes[k][0] for k in keys],
         gate_weights=[routes[k][1] for k in keys],
-        model_identity=engine.spec.identity(engine.fingerprint),
+        model_identity=backend.model_identity(),
     )

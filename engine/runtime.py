@@ -7,62 +7,25 @@ code runs on CUDA and on the CPU.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.calibrate import cpu_compute_dtype
-from engine.config import ConfigError, EngineConfig
+from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain
 from engine.model.checkpoint import Checkpoint
-from engine.model.decoder import KVCache, MoEDecoder, Segment, StepBatch
+from engine.model.decoder import KVCache, MoEDecoder, StepBatch
 from engine.model.maker import resolve_model
-from engine.scheduler import plan_step
+from engine.moe.planning import plan_settings
+from engine.precision import precision_of, torch_dtype
+from engine.sequences import SamplingParams, Sequence, SequenceTable, StepOutcome
+
+__all__ = ["Engine", "SamplingParams", "Sequence", "StepOutcome", "fast_tier_bytes", "is_plain", "pick_device",
+           "pick_dtype", "pick_weight_dtype", "weights_key"]
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    key: str  # the caller's request id
-    prompt: list[int]
-    max_new_tokens: int
-    slot: int = -1
-    n_prefilled: int = 0
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def decoding(self) -> bool:
-        return self.n_prefilled >= len(self.prompt)
-
-    @property
-    def cached_len(self) -> int:
-        """Tokens whose keys and values are in the cache."""
-        return self.n_prefilled + max(0, len(self.output) - 1)
-
-
-@dataclass
-class StepOutcome:
-    """What one step did: timing, batch shape, and the tokens it produced per request key."""
-
-    duration_s: float
-    batch_seqs: int
-    prefill_tokens: int
-    decode_tokens: int
-    tokens: list[tuple[str, int]]  # (request key, token id) in step order
-    finished: list[Sequence]
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,7 +40,7 @@ def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int
     if name == "checkpoint":
         return stored
     if name != "auto":
-        return _DTYPES[name]
+        return torch_dtype(name)
     if device.type == "cuda":
         return stored  # GPUs have native bf16/fp16 products
     return cpu_compute_dtype(stored, hidden, inter)
@@ -104,12 +67,9 @@ def pick_weight_dtype(choice: str, compute: torch.dtype, stored: torch.dtype, de
 
 
 def is_plain(config: EngineConfig) -> bool:
-    """True when no hybrid knob departs from "every expert resident, as loaded, coalesced"."""
-    r, x, ro = config.experts, config.execution, config.routing
-    return (r.residency == "all" and r.hi_precision == "auto" and r.lo_precision == "none" and x.max_replicas == 0
-            and x.expert_batching == "coalesced" and x.host_expert_threads == 0 and x.expert_sm_share == 1.0
-            and ro.top_k_override == 0
-            and ro.min_gate_weight == 0.0)
+    """True when no expert knob departs from its default ("every expert resident, as loaded,
+    coalesced"): the model runs its experts without the hybrid executor."""
+    return not departures_from_plain(config)
 
 
 def weights_key(config: EngineConfig) -> tuple[str, str, str]:
@@ -128,9 +88,13 @@ def fast_tier_bytes(device: torch.device) -> int:
 
 
 class Engine:
-    """One loaded model plus the runtime state of the sequences it serves."""
+    """One loaded model plus the runtime state of the sequences it serves.
 
-    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+    ``cost_model`` replaces this machine's calibrated expert costs (``missing_expert="auto"``), e.g.
+    to replay the decisions of another machine's profile.
+    """
+
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, cost_model=None):
         self.config = config or EngineConfig()
         self.config.validate()
         rt = self.config.runtime
@@ -153,6 +117,8 @@ class Engine:
         log.info("loaded %s (%s, %s products of %s weights on %s) in %.1fs", self.model_path, self.spec.arch,
                  self.dtype, self.weight_dtype, self.device, self.load_s)
         self.hotness = None
+        self._given_cost = cost_model
+        self.cost_model = cost_model  # the costs in use for missing_expert=auto (calibrated when not given)
         self._setup_experts()
         self._reset_runtime()
 
@@ -187,23 +153,29 @@ class Engine:
         self.model.hybrid = None
         self.model.top_k_override = self.config.routing.top_k_override
         self.model.min_gate_weight = self.config.routing.min_gate_weight
+        settings = plan_settings(self.config, self.spec, precision_of(self.weight_dtype))
         if is_plain(self.config):
+            self.model.reset_plans(settings=settings)
             return
-        from engine.calibrate import expert_cost_model
         from engine.moe.experts import HybridExperts
 
         moe = {i: lw for i, lw in enumerate(self.model.layers) if lw.w13 is not None}
-        cost = expert_cost_model(self.spec, self.dtype, self.device) \
-            if self.config.execution.missing_expert == "auto" and self.config.experts.residency != "all" else None
+        cost = None
+        if self.config.execution.missing_expert == "auto" and self.config.experts.residency != "all":
+            if self._given_cost is None:
+                from engine.calibrate import expert_cost_model
+
+                self.cost_model = expert_cost_model(self.spec, self.dtype, self.device)  # cached per machine
+            cost = self.cost_model
         hybrid = HybridExperts(self.spec, self.config, {i: lw.w13 for i, lw in moe.items()},
-                               {i: lw.w2 for i, lw in moe.items()}, self.device, self.dtype, cost)
+                               {i: lw.w2 for i, lw in moe.items()}, self.device, self.dtype, cost, settings)
         hybrid.plan(self.hotness)
         self.model.hybrid = hybrid
 
     def set_hotness(self, hotness) -> None:
         """Expert hotness [MoE layers, experts] (shares per layer) for static and dynamic residency."""
         self.hotness = hotness
-        if self.model.hybrid is not None and self.config.experts.residency in ("static", "dynamic"):
+        if self.model.hybrid is not None and self.config.experts.residency in HOTNESS_RESIDENCIES:
             self._setup_experts()
 
     def warm_up_hotness(self, tokens: int | None = None) -> None:
@@ -211,7 +183,7 @@ class Engine:
         import numpy as np
 
         n = self.config.experts.hotness_warmup_tokens if tokens is None else tokens
-        if n <= 0 or self.config.experts.residency not in ("static", "dynamic"):
+        if n <= 0 or self.config.experts.residency not in HOTNESS_RESIDENCIES:
             return
         g = torch.Generator().manual_seed(self.config.runtime.seed + 17)
         ids = torch.randint(0, self.spec.vocab_size, (n,), generator=g).tolist()
@@ -220,7 +192,7 @@ class Engine:
             self.add(f"warmup-{start}", ids[start: start + 256], 1)
         while self.has_work:
             self.step()
-        counts = np.stack([self.model.stats.counts[layer].numpy() for layer in self.spec.moe_layers])
+        counts = np.stack([self.model.stats.counts[layer] for layer in self.spec.moe_layers])
         self.model.stats.reset()
         self.set_hotness(counts / np.maximum(counts.sum(axis=1, keepdims=True), 1))
 
@@ -230,13 +202,21 @@ class Engine:
         if self.device.type == "cuda" and self.config.execution.decode_attention == "host":
             cache_device = torch.device("cpu")
         self.cache = KVCache(self.spec, s.max_batch_seqs, s.max_seq_len_tokens, self.dtype, cache_device)
-        self.free_slots = list(range(s.max_batch_seqs))
-        heapq.heapify(self.free_slots)
-        self.running: list[Sequence] = []
-        self.waiting: deque[Sequence] = deque()
-        self._next_id = 0
+        self.seqs = SequenceTable(s, self.spec.vocab_size)
         self.last_token_owners: list[tuple[str, int, int]] = []
         self.generator = torch.Generator(device="cpu").manual_seed(self.config.runtime.seed)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.seqs.running
+
+    @property
+    def waiting(self):
+        return self.seqs.waiting
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.seqs.free_slots
 
     def reconfigure(self, config: EngineConfig) -> float:
         """Apply a new config without reloading weights when only runtime knobs change; returns seconds."""
@@ -245,10 +225,10 @@ class Engine:
         config.validate()
         config.validate_for(self.spec, fast_tier_bytes(self.device))
         if (weights_key(config) != weights_key(old) or self._expert_device(config) != self.expert_device):
-            hotness = self.hotness
+            hotness, cost = self.hotness, self._given_cost
             if self.model.hybrid is not None:
                 self.model.hybrid.close()  # its copier and host-compute threads go with the old weights
-            self.__init__(self.model_path, config)  # a different device or precision needs the weights again
+            self.__init__(self.model_path, config, cost)  # a different device or precision needs the weights again
             if hotness is not None:
                 self.set_hotness(hotness)
             return time.perf_counter() - t
@@ -260,112 +240,63 @@ class Engine:
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------ requests
-    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
-        if not prompt:
-            raise ValueError(f"request {key}: empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"request {key}: token id {bad[0]} outside the vocabulary of {self.spec.vocab_size}")
-        seq = Sequence(self._next_id, key, list(prompt), max_new_tokens)
-        self._next_id += 1
-        if len(prompt) + max_new_tokens > self.config.scheduler.max_seq_len_tokens:
-            seq.finish_reason = "rejected"
-            log.warning("request %s: %d prompt + %d new tokens exceed max_seq_len_tokens=%d; rejected", key,
-                        len(prompt), max_new_tokens, self.config.scheduler.max_seq_len_tokens)
-            return seq
-        self.waiting.append(seq)
+    def add(self, key: str, prompt: list[int], max_new_tokens: int,
+            sampling: SamplingParams | None = None) -> Sequence:
+        """Queue a request; ``sampling`` overrides the config's sampling knobs for this request alone."""
+        seq = self.seqs.add(key, prompt, max_new_tokens, sampling)
+        if seq.sampling is not None and seq.sampling.seed is not None:
+            seq.generator = torch.Generator(device="cpu").manual_seed(seq.sampling.seed)
         return seq
+
+    def abort(self, key: str) -> Sequence | None:
+        """Drop the waiting or running request ``key`` and free its KV cache slot; None if unknown
+        (never added, or already finished)."""
+        return self.seqs.abort(key)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return self.seqs.has_work
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepOutcome:
         """Schedule and run one forward pass; sample one token for every sequence that completed a prompt
         or decoded."""
         t0 = time.perf_counter()
-        plan = plan_step(self.running, [s.prompt_len for s in self.waiting], self.config.scheduler)
-        for _ in range(plan.admit):
-            seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free_slots)
-            self.running.append(seq)
-        by_id = {s.seq_id: s for s in self.running}
-        admitted = self.running[len(self.running) - plan.admit:] if plan.admit else []
-        ids: list[int] = []
-        pos: list[int] = []
-        segments: list[Segment] = []
-        order: list[Sequence] = []  # sequences whose logits come back, in order
-        seg_owner: list[Sequence] = []
-        decode_seqs = [by_id[i] for i in plan.decode]
-        # Decode tokens first, in slot order, so their cache rows are often one contiguous view.
-        for seq in sorted(decode_seqs, key=lambda s: s.slot):
-            p = seq.cached_len
-            segments.append(Segment(seq.slot, len(ids), 1, p, True))
-            seg_owner.append(seq)
-            ids.append(seq.output[-1])
-            pos.append(p)
-            order.append(seq)
-        prefill_tokens = 0
-        for sid, n in plan.prefill:
-            seq = admitted[-sid - 1] if sid < 0 else by_id[sid]
-            start = seq.n_prefilled
-            done = start + n >= seq.prompt_len
-            segments.append(Segment(seq.slot, len(ids), n, start, done))
-            seg_owner.append(seq)
-            ids += seq.prompt[start: start + n]
-            pos += range(start, start + n)
-            seq.n_prefilled += n
-            prefill_tokens += n
-            if done:
-                order.append(seq)
+        layout = self.seqs.next_step()
         # Which request owns which rows of the step (router traces split by it).
-        self.last_token_owners = [(seq.key, seg.start, seg.n_tokens) for seg, seq in zip(segments, seg_owner, strict=True)]
-        if not segments:
+        self.last_token_owners = layout.owners
+        if not layout.segments:
             return StepOutcome(time.perf_counter() - t0, 0, 0, 0, [], [])
-        batch = StepBatch(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), segments)
+        batch = StepBatch(torch.tensor(layout.token_ids, device=self.device),
+                          torch.tensor(layout.positions, device=self.device), layout.segments)
         logits = self.model.forward(batch, self.cache)  # [S', V]
-        hybrid = self.model.hybrid
-        if hybrid is not None and (hybrid.state.dynamic is not None or self.config.execution.max_replicas > 0):
-            hybrid.observe(self.model.stats.step_counts(self.spec.moe_layers), len(ids))
-        next_ids = self._sample(logits).tolist()
-        produced: list[tuple[str, int]] = []
-        finished: list[Sequence] = []
-        eos = set(self.spec.eos_token_ids)
-        for seq, tok in zip(order, next_ids, strict=True):
-            seq.output.append(tok)
-            produced.append((seq.key, tok))
-            if len(seq.output) >= seq.max_new_tokens:
-                seq.finish_reason = "length"
-            elif not self.config.sampling.ignore_eos and tok in eos:
-                seq.finish_reason = "eos"
-            if seq.finish_reason:
-                finished.append(seq)
-        if finished:
-            done_ids = {s.seq_id for s in finished}
-            self.running = [s for s in self.running if s.seq_id not in done_ids]
-            for s in finished:
-                heapq.heappush(self.free_slots, s.slot)
+        self.model.end_step(layout.n_tokens)
+        next_ids = self._sample(logits, layout.sampled).tolist()
+        produced, finished = self.seqs.finish_step(layout, next_ids, self.spec.eos_token_ids,
+                                                   self.config.sampling.ignore_eos)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepOutcome(time.perf_counter() - t0, len({s.slot for s in segments}), prefill_tokens,
-                           len(decode_seqs), produced, finished)
+        return StepOutcome(time.perf_counter() - t0, layout.batch_seqs, layout.prefill_tokens,
+                           layout.decode_tokens, produced, finished)
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, order: list[Sequence]) -> torch.Tensor:
+        """One token per row of ``logits`` [S', V]; row i belongs to ``order[i]``."""
         sp = self.config.sampling
-        if sp.temperature == 0.0:
-            return logits.argmax(dim=-1)
-        logits = logits.cpu() / sp.temperature
-        if sp.top_k:
-            kth = torch.topk(logits, min(sp.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the most likely token
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if all(seq.sampling is None for seq in order):
+            return _sample_rows(logits, sp.temperature, sp.top_k, sp.top_p, self.generator)
+        params = []
+        for seq in order:
+            own = seq.sampling or SamplingParams()
+            params.append((sp.temperature if own.temperature is None else own.temperature,
+                           sp.top_k if own.top_k is None else own.top_k,
+                           sp.top_p if own.top_p is None else own.top_p))
+        if all(p == params[0] for p in params) and all(seq.generator is None for seq in order):
+            return _sample_rows(logits, *params[0], self.generator)  # one batch: same as the config's path
+        out = logits.argmax(dim=-1).cpu()  # greedy rows; the others are sampled one at a time below
+        for i, (seq, p) in enumerate(zip(order, params, strict=True)):
+            if p[0] != 0.0:
+                out[i] = _sample_rows(logits[i: i + 1], *p, seq.generator or self.generator)[0].cpu()
+        return out
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -374,3 +305,21 @@ class Engine:
         while self.has_work:
             self.step()
         return [s.output for s in seqs]
+
+
+def _sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Greedy (temperature 0) or temperature/top-k/top-p sampling of one token per row."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.cpu() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

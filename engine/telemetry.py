@@ -18,6 +18,7 @@ class _Nvml:
 
     def __init__(self) -> None:
         self.handle = None
+        self.error: str | None = None  # why there are no GPU readings, where a GPU exists
         try:
             import pynvml  # from nvidia-ml-py
 
@@ -26,7 +27,13 @@ class _Nvml:
                 self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
                 self.nvml = pynvml
         except Exception as e:  # no driver, no library, no device: all mean "no GPU readings"
-            log.debug("NVML unavailable: %s", e)
+            import torch
+
+            if torch.cuda.is_available():  # a GPU without NVML: say so, and results record why
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("NVML unavailable on a machine with CUDA (%s): no GPU telemetry", self.error)
+            else:
+                log.debug("NVML unavailable: %s", e)
 
     def read(self) -> tuple[float | None, int | None, float | None]:
         if self.handle is None:
@@ -57,6 +64,11 @@ class TelemetrySampler:
     @property
     def has_gpu(self) -> bool:
         return self._nvml.handle is not None
+
+    @property
+    def gpu_error(self) -> str | None:
+        """Why a machine with CUDA has no GPU readings (None where they work or there is no GPU)."""
+        return self._nvml.error
 
     def start(self, t0: float | None = None) -> TelemetrySampler:
         self._t0 = time.perf_counter() if t0 is None else t0

@@ -1,4 +1,4 @@
-"""The ``workloads`` command: import, synth, transform, show, list-builtin, record.
+"""The ``workloads`` command: import, synth, transform, show, list-builtin, record, replay.
 
 Bad input ends with one line on stderr (``workloads: error: ...``) and exit status 2.
 """
@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from workloads import importers, synth
 from workloads.errors import WorkloadError
+from workloads.replay import ReplayOptions
 from workloads.schema import Workload, builtin_names, load_workload, save_workload
 
 EXIT_BAD_INPUT = 2
@@ -155,6 +156,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", required=True, help="workload path or builtin:NAME")
     p.add_argument("--out", required=True, help="workload directory to write")
     p.add_argument("--max-requests", type=_positive_int, help="record only the first N requests")
+
+    p = sub.add_parser("replay", help="replay a workload against an OpenAI-compatible server, measured as "
+                       "`engine run` measures")
+    p.add_argument("--url", required=True, help="the server's OpenAI API base, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--workload", required=True, help="workload path or builtin:NAME")
+    p.add_argument("--model", help="model id to ask for (default: the first of the server's /v1/models)")
+    p.add_argument("--mode", choices=["realtime", "offline"], default=ReplayOptions.mode,
+                   help="realtime: each request at its arrival time; offline: all at t=0")
+    p.add_argument("--rate-scale", type=_positive_float, default=ReplayOptions.rate_scale, metavar="X",
+                   help="divide arrival times by X")
+    p.add_argument("--max-requests", type=_positive_int, help="replay the first N requests")
+    p.add_argument("--prompts", choices=["auto", "ids", "text"], default=ReplayOptions.prompts,
+                   help="token ids or text of the recorded length (auto: ids where the server takes them)")
+    p.add_argument("--tokenizer", metavar="DIR", help="the model's tokenizer.json directory, for text prompts")
+    p.add_argument("--vocab-size", type=_positive_int,
+                   help="the model's vocabulary, for token-id prompts (moetune servers report it)")
+    p.add_argument("--seed", type=_nonneg_int,
+                   help="seed of the synthetic prompt ids (default: the server's runtime.seed, else the knob's)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="do not send ignore_eos (for servers that reject it); outputs may end early")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer (default: $MOETUNE_API_KEY)")
+    p.add_argument("--db", help="store the run in this results database (default: $MOETUNE_DB; neither: "
+                   "not stored)")
+    p.add_argument("--study", help="study name in the database (default: http-<model>-<workload>)")
+    p.add_argument("--slo", action="append", default=[], metavar="NAME=VALUE",
+                   help="SLO bound for the stored attainment and goodput (as tuner run --slo)")
+    p.add_argument("--out", help="write the full result JSON here")
+    p.add_argument("--json", action="store_true", help="end with one line of JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -252,14 +282,72 @@ def _cmd_list_builtin(args: argparse.Namespace, command: str) -> None:
 def _cmd_record(args: argparse.Namespace, command: str) -> None:
     from workloads.record import record_workload
 
+    try:  # the command wires the engine in; the workloads library never imports it
+        from engine.runner import record_router_trace
+    except ImportError as e:
+        raise WorkloadError(f"recording needs the engine (engine.runner.record_router_trace): {e}") from None
     workload = load_workload(args.workload)
-    recorded = record_workload(args.model, workload, max_requests=args.max_requests)
+    recorded = record_workload(args.model, workload, lambda w: record_router_trace(args.model, w),
+                               max_requests=args.max_requests)
     recorded = recorded.with_router_trace(recorded.router_trace, metadata=_with_command(recorded.metadata, command))
     _write(recorded, args.out)
 
 
+def _cmd_replay(args: argparse.Namespace, command: str) -> None:
+    from tqdm import tqdm
+
+    from engine.env import api_key, db_url
+    from workloads.replay import record_replay, replay
+
+    workload = load_workload(args.workload)
+    options = ReplayOptions(mode=args.mode, rate_scale=args.rate_scale, max_requests=args.max_requests,
+                            prompts=args.prompts, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
+                            seed=args.seed, ignore_eos=not args.stop_at_eos, api_key=args.api_key or api_key())
+    slo = {}
+    if args.slo:
+        from tuner.slo import parse_slo
+
+        slo = parse_slo(args.slo).to_dict()
+    total = min(len(workload), args.max_requests or len(workload))
+    with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
+        result = replay(args.url, workload, args.model, options, on_done=lambda: bar.update(1))
+    s = result.summary()
+    meta = result.meta
+    print(f"server {meta['server']['url']} model {meta['server']['model']}"
+          + (f" (config {meta['config_hash']})" if meta.get("config_hash") else "")
+          + f"; workload {workload.name} ({args.mode}, x{args.rate_scale:g}); prompts as {meta['prompts']['format']}; "
+          f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
+    print(_table([{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
+                  for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]))
+    print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
+          f"{s['prompt_tokens']} prompt and {s['output_tokens']} output tokens")
+    for key, what in (("prompt_length_mismatch", "prompt lengths differ from the workload's"),
+                      ("output_length_mismatch", "output lengths differ from the workload's"),
+                      ("errors", "requests failed")):
+        if meta[key]:
+            first = next(iter(meta[key].items()))
+            print(f"warning: {len(meta[key])} {what} (first: {first[0]}: {first[1]})")
+    url = args.db or db_url()
+    if url:
+        study, trial_id = record_replay(url, result, workload, args.workload, args.study, slo)
+        print(f"stored as trial {trial_id} of study {study}")
+    full = result.to_dict()
+    if args.out:
+        Path(args.out).write_text(json.dumps(full))
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps(full, separators=(",", ":")))
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["metric", "p50", "p90", "p99", "mean"]
+    cells = [[r["metric"]] + ["-" if r[c] is None else f"{r[c]:.1f}" for c in cols[1:]] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in [cols, *cells])
+
+
 COMMANDS = {"import": _cmd_import, "synth": _cmd_synth, "transform": _cmd_transform, "show": _cmd_show,
-            "list-builtin": _cmd_list_builtin, "record": _cmd_record}
+            "list-builtin": _cmd_list_builtin, "record": _cmd_record, "replay": _cmd_replay}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,19 +21,15 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.model.arch import ModelSpec
 from engine.model.checkpoint import Checkpoint
+from engine.moe.experts import Grouped
+from engine.moe.policy.controller import PlanSettings, ResidencyController
+from engine.moe.policy.plan import DecisionLog, MoEStats
+from engine.moe.policy.routing import prune_routes
+from engine.sequences import Segment
+
+__all__ = ["KVCache", "LayerWeights", "MoEDecoder", "MoEStats", "RouteRecord", "Segment", "StepBatch", "rms_norm"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Segment:
-    """A run of consecutive tokens of one sequence inside the step."""
-
-    slot: int  # KV cache slot of the sequence
-    start: int  # offset in the step's flattened tokens
-    n_tokens: int
-    past_len: int  # tokens of this sequence already in the cache
-    wants_logits: bool  # last token's logits are needed (end of prompt, or decode)
 
 
 @dataclass
@@ -143,40 +139,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-@dataclass
-class MoEStats:
-    """Tokens routed per expert per MoE layer, accumulated over steps (on the model's device)."""
-
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)
-    layer_calls: int = 0
-    distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
-
-    last: dict[int, torch.Tensor] = field(default_factory=dict)  # the last step's counts per layer
-
-    def step_counts(self, layers) -> np.ndarray:
-        """Routed tokens per expert in the last step, [len(layers), E]."""
-        return np.stack([self.last[layer].cpu().numpy() for layer in layers])
-
-    def mean_distinct(self) -> float:
-        """Mean number of distinct experts one MoE layer ran per step."""
-        return self.distinct_experts / self.layer_calls if self.layer_calls else 0.0
-
-    def add(self, layer: int, counts: list[int]) -> None:
-        """Record one step of one layer: ``counts[e]`` tokens routed to expert e (already on the host)."""
-        c = torch.tensor(counts)
-        self.layer_calls += 1
-        self.distinct_experts += sum(1 for n in counts if n)
-        self.last[layer] = c
-        if layer in self.counts:
-            self.counts[layer] += c
-        else:
-            self.counts[layer] = c
-
-    def reset(self) -> None:
-        self.counts.clear()
-        self.layer_calls = self.distinct_experts = 0
-
-
 class MoEDecoder:
     """Weights of a checkpoint on one device, and the forward pass.
 
@@ -194,8 +156,11 @@ class MoEDecoder:
         self.device = device
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
         self.expert_device = expert_device or device
-        self.stats = MoEStats()
+        self.stats = MoEStats()  # tokens routed per expert, counted once per step and MoE layer
         self.hybrid = None  # engine.moe.experts.HybridExperts when the config is not the plain one
+        self._moe_index = {layer: i for i, layer in enumerate(ckpt.spec.moe_layers)}
+        # Plans of the plain engine: every routed expert on its loaded copy (see reset_plans).
+        self._plain = ResidencyController(PlanSettings(len(ckpt.spec.moe_layers), ckpt.spec.n_experts))
         self.top_k_override = 0
         self.min_gate_weight = 0.0
         self.record_routes = False
@@ -247,6 +212,28 @@ class MoEDecoder:
             (sg,) = load([p + "mlp.shared_expert_gate.weight"], self.dtype)
             lw.shared_w13, lw.shared_w2, lw.shared_gate = torch.cat([g, u]).contiguous(), d, sg
         return lw
+
+    @property
+    def controller(self) -> ResidencyController:
+        """Who plans the experts of every MoE layer: the hybrid executor's controller, or the plain one."""
+        return self.hybrid.controller if self.hybrid is not None else self._plain
+
+    def reset_plans(self, log: DecisionLog | None = None, settings: PlanSettings | None = None) -> None:
+        """Start the expert plans afresh (the initial placement), writing them to ``log``; ``settings``
+        replace the plain engine's (a plain config's, so the decision log says what it asked for)."""
+        if self.hybrid is not None:
+            self.hybrid.reset(log)
+        else:
+            self._plain = ResidencyController(settings or self._plain.settings, log=log)
+
+    def end_step(self, n_tokens: int) -> None:
+        """After a forward step of ``n_tokens`` tokens: the controller's step-end decisions, executed."""
+        ctl = self.controller
+        counts = self.stats.step_counts(self.spec.moe_layers) if ctl.wants_step_counts else None
+        if self.hybrid is not None:
+            self.hybrid.observe(counts, n_tokens)
+        else:
+            ctl.end_step(counts, n_tokens)
 
     def weight_bytes(self) -> int:
         ts = [self.embed, self.final_norm] + ([] if self.spec.tie_word_embeddings else [self.lm_head])
@@ -367,15 +354,20 @@ class MoEDecoder:
         return self._linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
 
     def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax over experts in fp32, top-k, optional renormalisation: ([T, K] weights, [T, K] ids).
+        """The routes the experts run: ([T, K] weights, [T, K] ids), after the routing knobs.
 
         With a routing override (top-k override, minimum gate weight) skipped slots get weight 0 and
-        id -1; this mirrors :func:`engine.moe.policy.prune_routes`, which is the tested reference.
+        id -1, as :func:`engine.moe.policy.prune_routes` (the one implementation) decides.
         """
+        return self._prune(*self._route_model(lw, h))
+
+    def _route_model(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own routing: softmax over experts in fp32, top-k (the larger of the model's k and
+        the override), optional renormalisation: ([T, K'] weights, [T, K'] ids), weights descending."""
         k = self.spec.top_k
         if self.native and h.shape[0] <= kernels.MAX_NATIVE_TOKENS:
             logits = kernels.ops().linear(h, lw.router, None)  # [T, E]
-            if not self.top_k_override and not self.min_gate_weight:
+            if self.top_k_override <= k:
                 return kernels.ops().route(logits, k, self.spec.norm_topk_prob)
         else:
             logits = F.linear(h, lw.router)
@@ -384,105 +376,76 @@ class MoEDecoder:
         weights, ids = torch.topk(probs, k_run, dim=-1)  # [T, K], descending
         if self.spec.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if (self.top_k_override and self.top_k_override < k) or self.min_gate_weight > 0:
-            rank = torch.arange(k_run, device=weights.device)[None, :]
-            keep = (rank < (self.top_k_override or k_run)).expand_as(weights)
-            if self.min_gate_weight > 0:
-                kept = (weights * keep).sum(-1, keepdim=True)
-                keep = keep & ((weights / kept.clamp_min(1e-30)) >= self.min_gate_weight)
-            keep = keep | (rank == 0)
-            total = weights.sum(-1, keepdim=True)
-            surviving = (weights * keep).sum(-1, keepdim=True)
-            weights = torch.where(keep, weights * (total / surviving), torch.zeros_like(weights))
-            ids = torch.where(keep, ids, torch.full_like(ids, -1))
         return weights, ids
 
+    def _prune(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_run = ids.shape[1]
+        cut = self.top_k_override if 0 < self.top_k_override < k_run else None
+        if cut is None and self.min_gate_weight <= 0:
+            return weights, ids
+        w, i, _ = prune_routes(weights.float().cpu().numpy(), ids.cpu().numpy(), cut, self.min_gate_weight)
+        return torch.from_numpy(w).to(weights.device), torch.from_numpy(i).to(ids.device)
+
+    def _model_route(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's top-k of routes computed with a larger k (what a router trace holds)."""
+        k = self.spec.top_k
+        if ids.shape[1] == k:
+            return weights, ids
+        w = weights[:, :k]
+        return (w / w.sum(dim=-1, keepdim=True) if self.spec.norm_topk_prob else w), ids[:, :k]
+
     def _moe(self, i: int, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """One MoE layer: route, plan (the controller), count, then run the experts as planned; the
+        paths below differ only in the kernel they call."""
         spec = self.spec
         t = h.shape[0]
-        weights, ids = self.route(lw, h)
+        raw_w, raw_ids = self._route_model(lw, h)
         if self.record_routes:
-            self.routes.append(RouteRecord(i, ids, weights))
+            model_w, model_ids = self._model_route(raw_w, raw_ids)
+            self.routes.append(RouteRecord(i, model_ids, model_w))
+        weights, ids = self._prune(raw_w, raw_ids)
+        decision = self.controller.plan_layer(self._moe_index[i], ids.cpu().numpy())
+        self.stats.add(i, decision.counts)
         if self.hybrid is not None:
-            flat = ids.reshape(-1)
-            self.stats.add(i, torch.bincount(flat[flat >= 0], minlength=spec.n_experts).tolist())
-            out = self.hybrid.forward(i, h, weights, ids)
-            if lw.shared_w13 is not None:
-                out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * self._mlp(lw.shared_w13, lw.shared_w2, h)
-            return out
-        if self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * spec.n_experts:
+            out = self.hybrid.forward(i, h, weights, ids, decision)
+        elif self.native and t * spec.top_k <= kernels.MAX_NATIVE_TOKENS_PER_EXPERT * spec.n_experts:
             # Few tokens per expert on average: one call for every expert, all threads. Beyond (long
             # prompt chunks), each expert's product runs on PyTorch's GEMM below, on widened weights.
-            self.stats.add(i, _expert_counts(ids, spec.n_experts))
             out = kernels.moe(h, lw.w13, lw.w2, ids, weights)
         elif t == 1 and self.device.type == "cpu":
-            out = self._moe_one_token(i, lw, h, weights, ids)
+            out = self._moe_one_token(lw, h, weights, ids)
         else:
-            out = self._moe_grouped(i, lw, h, weights, ids)
+            out = self._moe_grouped(lw, h, weights, ids, decision.counts)
         if lw.shared_w13 is not None:
             shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
             out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
         return out
 
-    def _moe_one_token(self, i: int, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
+    def _moe_one_token(self, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> torch.Tensor:
         """One token (batch-1 decode): its k experts in turn, no grouping machinery (a third fewer ops)."""
-        spec = self.spec
-        experts = ids[0].tolist()
-        gates = weights[0].tolist()
-        counts = [0] * spec.n_experts
-        inter = spec.expert_intermediate
+        inter = self.spec.expert_intermediate
         out = None
-        for e, g in zip(experts, gates, strict=True):
-            counts[e] += 1
+        for e, g in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
             gu = F.linear(h, lw.w13[e])  # [1, 2I]
             y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.w2[e])  # [1, H]
             out = y.mul_(g) if out is None else out.add_(y, alpha=g)
-        self.stats.add(i, counts)
         return out
 
-    def _moe_grouped(self, i: int, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor) -> torch.Tensor:
-        """Every expert with tokens runs them as one product (coalesced); tokens sorted by expert."""
-        spec = self.spec
-        t, k = ids.shape
-        flat = ids.reshape(-1)  # [T*K]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=spec.n_experts).tolist()
-        self.stats.add(i, counts)
-        xs = h.index_select(0, order // k)  # [T*K, H] grouped by expert
-        ys = torch.empty_like(xs)
-        inter = spec.expert_intermediate
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = xs[start: start + n]
-            gu = self._linear(seg, lw.w13[e])  # [n, 2I]
+    def _moe_grouped(self, lw: LayerWeights, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     counts: np.ndarray) -> torch.Tensor:
+        """Every expert with tokens runs them as one product (coalesced); tokens grouped by expert."""
+        g = Grouped(h, ids, counts)
+        ys = torch.empty_like(g.xs)
+        inter = self.spec.expert_intermediate
+        for e, seg in g.segment.items():
+            gu = self._linear(g.xs[seg], lw.w13[e])  # [n, 2I]
             act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [n, I]
             if self.native:
-                ys[start: start + n] = kernels.linear(act, lw.w2[e])
+                ys[seg] = kernels.linear(act, lw.w2[e])
             else:
-                torch.mm(act, lw.w2[e].t(), out=ys[start: start + n])  # [n, H]
-            start += n
-        # Back to token order and a weighted sum over each token's k experts: a gather and a batched
-        # product (index_add_ would scatter row by row).
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = ys.index_select(0, inverse).view(t, k, -1)  # [T, K, H]
-        return torch.bmm(weights.to(self.dtype)[:, None, :], y)[:, 0]  # [T, H]
-
-
-def _expert_counts(ids: torch.Tensor, n_experts: int) -> list[int]:
-    """Tokens routed to each expert in ``ids`` [T, K] (-1 = skipped slot)."""
-    if ids.shape[0] == 1:  # a decode step of one sequence: a few ints, cheaper in Python
-        counts = [0] * n_experts
-        for e in ids[0].tolist():
-            if e >= 0:
-                counts[e] += 1
-        return counts
-    flat = ids.reshape(-1)
-    return torch.bincount(flat[flat >= 0], minlength=n_experts).tolist()
+                torch.mm(act, lw.w2[e].t(), out=ys[seg])  # [n, H]
+        return g.combine(ys, weights)
 
 
 class _AttentionPlan:

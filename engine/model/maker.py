@@ -6,6 +6,10 @@ embedding a shared component along one direction ``u`` and adds ``skew * z_e * u
 router row, with per-layer expert scores ``z_e`` (a seeded permutation of Gaussian quantiles). The
 router logit of expert e then carries a layer-dependent offset proportional to z_e, plus
 token-dependent noise: a heavy-tailed, layer-dependent popularity that still varies with the input.
+
+Every model also gets a small real tokenizer (:func:`write_tokenizer`): a byte-level BPE
+``tokenizer.json`` that covers the whole vocabulary, and a ``tokenizer_config.json`` with a chat
+template, so ``engine serve`` takes and returns text for built-in models.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors.torch import save_file
 
 from engine.env import cache_dir
 from engine.model.arch import ARCHS, CheckpointError, expected_tensors, router_name, spec_from_config
+from engine.precision import FLOAT_PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +110,9 @@ def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 
                router_skew: float = DEFAULT_ROUTER_SKEW, config_overrides: dict[str, Any] | None = None,
                shard_bytes: int = SHARD_BYTES) -> MadeModel:
     """Write a random-weight checkpoint (config.json + safetensors, sharded with an index when large)."""
-    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise CheckpointError(f"make-model: dtype={dtype!r}: expected bfloat16, float16 or float32")
+    if dtype not in FLOAT_PRECISIONS.values():
+        raise CheckpointError(f"make-model: dtype={dtype!r}: expected one of {', '.join(FLOAT_PRECISIONS.values())}")
+    torch_dtype = getattr(torch, dtype)
     if router_skew < 0:
         raise CheckpointError(f"make-model: router_skew={router_skew}: must be >= 0")
     cfg = make_config(arch, preset, **(config_overrides or {}))
@@ -175,6 +180,7 @@ def make_model(out: str | Path, arch: str, preset: str = "tiny", *, seed: int = 
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False}, indent=2))
+    write_tokenizer(out, cfg)
     log.info("wrote %s: %s-%s, %.1fM params", out, arch, preset, total_params / 1e6)
     return MadeModel(out, total_params, sum(shard_size))
 
@@ -191,7 +197,7 @@ def resolve_model(model: str) -> Path:
             f"and preset in {', '.join(PRESETS)}")
     root = cache_dir() / "models"
     path = root / name
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() and (path / TOKENIZER_FILE).exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
     # Several tuner workers may ask at once: one makes it, the others wait on the lock.
@@ -203,4 +209,106 @@ def resolve_model(model: str) -> Path:
             log.info("making %s into %s (once)", model, path)
             make_model(tmp, arch, preset)
             tmp.rename(path)
+        elif not (path / TOKENIZER_FILE).exists():
+            # Made before the maker wrote tokenizers: add one; the weights (and fingerprint) stay.
+            log.info("adding a tokenizer to %s", path)
+            write_tokenizer(path, json.loads((path / "config.json").read_text()))
     return path
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+#: Special tokens by id; pad, bos and eos are the ids :func:`make_config` writes (0, 1, 2).
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
+#: Zephyr-style turns, each closed by the end-of-sequence token (which stops generation).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('messages: role must be system, user or assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte 0..255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _syllable_merges(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` merges of a generated (not trained) BPE: consonant-vowel syllables, then words
+    of one to three syllables after a space ("Ġ" in the byte-level alphabet)."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    merges: list[tuple[str, str]] = [(s[0], s[1]) for s in syllables]
+    merges += [("Ġ", s) for s in syllables]
+    words = ["Ġ" + s for s in syllables]
+    while len(merges) < n:
+        longer = []
+        for w in words:
+            for s in syllables:
+                merges.append((w, s))
+                longer.append(w + s)
+                if len(merges) >= n:
+                    return merges[:n]
+        words = longer
+    return merges[:n]
+
+
+def write_tokenizer(out: str | Path, cfg: dict[str, Any]) -> bool:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` for a made model's vocabulary.
+
+    A byte-level BPE (GPT-2's alphabet) whose merges are generated rather than trained: any text
+    encodes, and every id of the vocabulary decodes (mostly to pseudo-words such as " bakotu").
+    Returns False, writing nothing, where the vocabulary cannot hold the special tokens and all 256
+    bytes or the special ids differ from :func:`make_config`'s.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    out = Path(out)
+    vocab_size = int(cfg["vocab_size"])
+    base = len(SPECIAL_TOKENS) + 256
+    ids = (cfg.get("pad_token_id"), cfg.get("bos_token_id"), cfg.get("eos_token_id"))
+    if vocab_size < base or ids != (0, 1, 2):
+        log.info("%s: no tokenizer written (vocabulary %d, special ids %s)", out, vocab_size, ids)
+        return False
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + b for b, ch in enumerate(_bytes_to_unicode())})
+    merges = _syllable_merges(vocab_size - base)
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    tmp = out / f".{TOKENIZER_FILE}.tmp"
+    tok.save(str(tmp))
+    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": None,
+        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": int(cfg.get("max_position_embeddings", 4096)),
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False}
+                                 for i, t in enumerate(SPECIAL_TOKENS)},
+    }, indent=2))
+    tmp.rename(out / TOKENIZER_FILE)  # last: its presence means the tokenizer is complete
+    return True

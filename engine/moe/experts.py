@@ -5,10 +5,16 @@ Every expert has a stable :class:`ExpertHandle`. Its ``host`` version (the slow 
 off to the side (on a background thread, on their own CUDA stream where there is one) and swapped in
 by one attribute assignment, so a forward pass that read a handle always runs a complete version.
 
-:class:`HybridExperts` runs one MoE layer's experts for a step: each expert with tokens runs on its
-fast copy when resident, else on the host CPU or after a fetch (``execution.missing_expert``), its
-tokens split across replicas where it has them, coalesced or in micro-batches. Decisions come from
-:mod:`engine.moe.policy`, which holds no device code.
+:class:`HybridExperts` executes plans and decides nothing: the
+:class:`~engine.moe.policy.controller.ResidencyController` says, per step and MoE layer, which
+experts run resident (in which precision), on the host or fetched, how replicas split tokens and
+what the cache admits and evicts; after each step it says which experts move between tiers. The
+executor makes the fast tier match (waiting for a background copy only when a plan needs it) and
+runs the experts. Statistics come from the plans, not from here.
+
+One MoE forward serves every path: :class:`Grouped` groups a micro-batch's tokens by expert and
+combines the outputs; the paths differ only in the kernel they call (:func:`_product` for one
+weight, :func:`swiglu` for one expert, :func:`fused_moe` for a whole layer in one native call).
 
 Without an accelerator both tiers are host memory: the same code runs (and is tested), but the
 timing effects of tiers are not a GPU box's; results say ``hybrid: false``.
@@ -17,11 +23,10 @@ timing effects of tiers are not a GPU box's; results say ``hybrid: false``.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,26 +36,16 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.config import EngineConfig
 from engine.model.arch import ModelSpec
-from engine.moe.policy import (
-    CostModel,
-    DynamicResidency,
-    ExpertCache,
-    ResidencyPlan,
-    decide,
-    layer_budgets,
-    plan_replicas,
-    plan_static,
-    split_slices,
-    step_slices,
-)
+from engine.moe.planning import tier_precisions
+from engine.moe.policy import CostModel
+from engine.moe.policy.controller import PlanSettings, ResidencyController
+from engine.moe.policy.plan import DecisionLog, ExpertRun, LayerDecision, PartPlan, StepMoves, TierStats
+from engine.precision import FLOAT_PRECISIONS, expert_nbytes, precision_of, torch_dtype
+
+__all__ = ["ExpertHandle", "ExpertVersion", "Grouped", "HybridExperts", "expert_nbytes", "fused_moe",
+           "make_version", "precision_of", "swiglu"]
 
 log = logging.getLogger(__name__)
-
-_FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def precision_of(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 @dataclass(frozen=True)
@@ -98,19 +93,12 @@ def _quant():
     return quant
 
 
-def expert_nbytes(hidden: int, inter: int, precision: str, group_size: int) -> int:
-    """Exact bytes of one expert (gate+up [2I, H] and down [H, I]) in ``precision``."""
-    if precision in _FLOAT:
-        return 3 * hidden * inter * torch.finfo(_FLOAT[precision]).bits // 8
-    return _quant().expert_nbytes(hidden, inter, precision, group_size)
-
-
 def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: torch.device, group_size: int,
                  pin: bool = False, non_blocking: bool = False) -> ExpertVersion:
     """Build a version of an expert in ``precision`` on ``device`` from float weights."""
-    if precision in _FLOAT:
-        a = w13.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
-        b = w2.to(device=device, dtype=_FLOAT[precision], copy=True, non_blocking=non_blocking)
+    if precision in FLOAT_PRECISIONS:
+        a = w13.to(device=device, dtype=torch_dtype(precision), copy=True, non_blocking=non_blocking)
+        b = w2.to(device=device, dtype=torch_dtype(precision), copy=True, non_blocking=non_blocking)
         if pin and device.type == "cpu" and torch.cuda.is_available():
             a, b = a.pin_memory(), b.pin_memory()
         return ExpertVersion(a, b, precision, device, a.numel() * a.element_size() + b.numel() * b.element_size())
@@ -131,70 +119,133 @@ class ExpertHandle:
         self.replicas: tuple[ExpertVersion, ...] = ()
 
 
-@dataclass
-class TierStats:
-    """What the tiers did during a run: bytes moved, where experts ran."""
-
-    bytes_to_fast: int = 0
-    bytes_evicted: int = 0
-    expert_calls_fast_hi: int = 0
-    expert_calls_fast_lo: int = 0
-    expert_calls_host: int = 0
-    expert_calls_fetched: int = 0
-    replica_calls: int = 0
-    swaps: int = 0
-    replans: int = 0
-    prefetched: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
 
 
-@dataclass
-class HybridPlanState:
-    plan: ResidencyPlan | None = None
-    dynamic: DynamicResidency | None = None
-    cache: ExpertCache | None = None
-    replicas: dict[int, dict[int, int]] = field(default_factory=dict)
+# ---------------------------------------------------------------------------------------------- kernels
+# One function per kernel family: one weight (:func:`_product`), one expert (:func:`swiglu`), a whole
+# layer in one native call (:func:`fused_moe`).
 
+def swiglu(v: ExpertVersion, x: torch.Tensor, native: bool) -> torch.Tensor:
+    """SwiGLU expert on version ``v``: x [n, H] on v's device in the compute dtype -> [n, H]."""
+    want = torch_dtype(v.precision) if v.precision in FLOAT_PRECISIONS else None
+    if want is None or want == x.dtype or (native and v.device.type == "cpu" and want in kernels.HALF_DTYPES):
+        xin = x  # same dtype, integer weights, or fp32 products read straight from half weights
+    else:
+        xin = x.to(want)  # a float copy in another precision
+    gu = v.linear13(xin, native)  # [n, 2I]
+    inter = gu.shape[-1] // 2
+    return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:], native).to(x.dtype)  # [n, H]
+
+
+def fused_moe(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, versions: dict[int, ExpertVersion],
+              n_experts: int) -> torch.Tensor | None:
+    """Every routed expert of a micro-batch in one native call, when all of ``versions`` (expert ->
+    the copy it runs on) are host-memory copies in one precision the fused kernels read (bf16/fp16, or
+    int8 with row scales); None otherwise. h [T, H] fp32, weights/ids [T, K] (-1 = skipped slot)."""
+    precisions = {v.precision for v in versions.values()}
+    if len(precisions) != 1 or not precisions <= {"bf16", "fp16", "int8"} or any(
+            v.device.type != "cpu" for v in versions.values()):
+        return None
+    gates = weights.float().contiguous()
+    if precisions == {"int8"}:
+        def col(attr: str, part: str) -> list[torch.Tensor | None]:
+            return [getattr(getattr(versions[e], attr), part) if e in versions else None for e in range(n_experts)]
+
+        return kernels.ops().moe_list_int8(h.contiguous(), col("w13", "data"), col("w13", "scales"),
+                                           col("w2", "data"), col("w2", "scales"), ids.contiguous(), gates)
+    return kernels.ops().moe_list(h.contiguous(), [versions[e].w13 if e in versions else None
+                                                   for e in range(n_experts)],
+                                  [versions[e].w2 if e in versions else None for e in range(n_experts)],
+                                  ids.contiguous(), gates)
+
+
+# ------------------------------------------------------------------------------- grouping and combining
+
+class Grouped:
+    """One micro-batch's (token, slot) pairs grouped by expert, and the combine back to token order.
+
+    ``xs`` [N, H] holds the hidden state of every kept (token, slot) pair, the rows of expert ``e``
+    at ``segment[e]``; :meth:`combine` takes the experts' outputs in the same order and returns the
+    gate-weighted sum per token [T, H]. ``counts[e]`` are the pairs routed to ``e`` (from the plan).
+    """
+
+    def __init__(self, h: torch.Tensor, ids: torch.Tensor, counts: Sequence[int] | np.ndarray) -> None:
+        t, k = ids.shape
+        flat = ids.reshape(-1)  # [T*K]
+        counts = [int(n) for n in counts]
+        n_valid = sum(counts)
+        self.valid = None if n_valid == t * k else flat >= 0  # [T*K] kept slots; None: every slot
+        if self.valid is None:
+            order = torch.argsort(flat, stable=True)
+        else:  # skipped slots (-1) sort last and are cut off
+            order = torch.argsort(torch.where(self.valid, flat, len(counts)), stable=True)[:n_valid]
+        self.order, self.t, self.k = order, t, k
+        self.xs = h.index_select(0, order // k)  # [N, H] grouped by expert
+        self.segment: dict[int, slice] = {}
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                self.segment[e] = slice(start, start + n)
+                start += n
+
+    def combine(self, ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Back to token order and a weighted sum over each token's kept experts: [T, H]."""
+        t, k = self.t, self.k
+        if self.valid is None:  # a gather and a batched product (index_add_ would scatter row by row)
+            inverse = torch.empty_like(self.order)
+            inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+            y = ys.index_select(0, inverse).view(t, k, -1)  # [T, K, H]
+            return torch.bmm(weights.to(ys.dtype)[:, None, :], y)[:, 0]
+        full = torch.zeros(t * k, ys.shape[1], dtype=ys.dtype, device=ys.device)
+        full.index_copy_(0, self.order, ys)
+        w = weights.reshape(-1).to(ys.dtype)
+        w = torch.where(self.valid, w, torch.zeros_like(w))
+        return torch.bmm(w.view(t, 1, k), full.view(t, k, -1))[:, 0]
+
+
+def part_counts(runs: Sequence[ExpertRun], n_experts: int) -> np.ndarray:
+    """Tokens per expert of a micro-batch, from its plan."""
+    counts = np.zeros(n_experts, np.int64)
+    for r in runs:
+        counts[r.expert] = r.tokens
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- executor
 
 class HybridExperts:
-    """Residency, precision, missing-expert execution, replicas and batching for every MoE layer."""
+    """Executes the controller's plans for every MoE layer: residency, precision, missing-expert
+    execution, replicas and batching (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, config: EngineConfig, w13: dict[int, torch.Tensor],
                  w2: dict[int, torch.Tensor], device: torch.device, compute_dtype: torch.dtype,
-                 cost: CostModel | None):
+                 cost: CostModel | None, settings: PlanSettings):
         self.spec, self.config, self.device, self.dtype, self.cost = spec, config, device, compute_dtype, cost
-        r = config.experts
+        self.settings = settings
         # The weights as loaded: the compute dtype, or bf16/fp16 that the native CPU kernels read as is.
         loaded = precision_of(next(iter(w13.values())).dtype)
         self.native = (compute_dtype == torch.float32 and config.runtime.cpu_kernels != "torch"
                        and kernels.load() is not None)
-        self.hi = loaded if r.hi_precision == "auto" else r.hi_precision
-        self.lo = None if r.lo_precision == "none" else r.lo_precision
-        self.group = r.int4_group_size
-        self.host_device = torch.device("cpu")
+        self.hi, self.lo = tier_precisions(config, loaded)
+        self.loaded = loaded
+        self.group = config.experts.int4_group_size
         self.moe_layers = list(spec.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(self.moe_layers)}
-        self.stats = TierStats()
-        self.state = HybridPlanState()
-        self._lock = threading.Lock()
+        self.controller: ResidencyController | None = None
+        self._hotness: np.ndarray | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-promote")
-        self._pending: list[Future] = []
+        self._jobs: dict[tuple[int, int], Future] = {}  # latest background job touching (layer, expert)
         self._host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-host-experts")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._replica_streams: list[torch.cuda.Stream] = []
         self.inert: dict[str, str] = {}
         self.expert_stream = self._sm_partition_stream()
-        self.bytes_hi = expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.hi, self.group)
-        self.bytes_lo = (expert_nbytes(spec.hidden_size, spec.expert_intermediate, self.lo, self.group)
-                         if self.lo else None)
-        self.bytes_host = expert_nbytes(spec.hidden_size, spec.expert_intermediate, loaded, self.group)
         # Host versions: the weights as loaded, in host memory (pinned with a GPU). When every expert
         # stays resident in the loaded precision, the loaded weights are the fast copies.
-        self.all_as_loaded = r.residency == "all" and self.hi == loaded
+        self.all_as_loaded = settings.resident_as_loaded
         self.handles: dict[int, list[ExpertHandle]] = {}
         pin = device.type == "cuda"
+        bytes_host = settings.bytes_host
         for layer in self.moe_layers:
             hs = []
             for e in range(spec.n_experts):
@@ -203,52 +254,42 @@ class HybridExperts:
                     a, b = a.cpu(), b.cpu()
                 elif pin and a.device.type == "cpu":
                     a, b = a.pin_memory(), b.pin_memory()
-                v = ExpertVersion(a, b, loaded, a.device, self.bytes_host)
+                v = ExpertVersion(a, b, loaded, a.device, bytes_host)
                 h = ExpertHandle(v)
                 if self.all_as_loaded:
                     h.fast = v
                 hs.append(h)
             self.handles[layer] = hs
-        self._step_ids: dict[int, np.ndarray] = {}
-        self._recent: list[np.ndarray] = []
-        self._recent_tokens = 0
 
     # ------------------------------------------------------------------ planning
-    def budgets(self, load: np.ndarray | None) -> np.ndarray:
-        r = self.config.experts
-        vector = [float(w) for w in r.budget_layer_weights.split(",")] if r.budget_split == "vector" else None
-        return layer_budgets(int(r.resident_budget_gib * 2**30), r.budget_split, len(self.moe_layers),
-                             load=load, vector=vector)
+    @property
+    def stats(self) -> TierStats:
+        """What the tiers did, counted from the plans since the last :meth:`reset`."""
+        assert self.controller is not None
+        return self.controller.stats
 
     def plan(self, hotness: np.ndarray | None) -> None:
-        """Make the initial resident set from a hotness profile [MoE layers, E] (shares per layer)."""
-        r = self.config.experts
-        n_layers, n_experts = len(self.moe_layers), self.spec.n_experts
-        if self.all_as_loaded:
-            return
-        if r.residency == "all":
-            plan = ResidencyPlan(n_experts, self.bytes_hi, None, np.full(n_layers, self.bytes_hi * n_experts),
-                                 tuple(tuple(range(n_experts)) for _ in range(n_layers)),
-                                 tuple(() for _ in range(n_layers)))
-            self._apply(plan)
-            return
-        if hotness is None:
-            hotness = np.full((n_layers, n_experts), 1.0 / n_experts)
-        budgets = self.budgets(hotness.sum(axis=1))
-        if r.residency == "cache":
-            self.state.cache = ExpertCache.from_budgets(n_experts, budgets, self.bytes_hi, policy=r.cache_policy)
-            plan = ResidencyPlan(n_experts, self.bytes_hi, None, budgets, tuple(() for _ in range(n_layers)),
-                                 tuple(() for _ in range(n_layers)))
-            self._apply(plan)
-            return
-        if r.residency == "dynamic":
-            self.state.dynamic = DynamicResidency.from_hotness(
-                hotness, budgets, self.bytes_hi, self.bytes_lo, half_life_tokens=r.dynamic_halflife_tokens,
-                replan_interval_tokens=r.dynamic_replan_tokens, hysteresis=r.dynamic_hysteresis,
-                max_swaps_per_replan=max(1, n_experts // 8))
-            self._apply(self.state.dynamic.plan)
-            return
-        self._apply(plan_static(hotness, budgets, self.bytes_hi, self.bytes_lo))
+        """Start from the placement a hotness profile [MoE layers, E] (shares per layer) gives."""
+        self._hotness = hotness
+        self.reset()
+
+    def reset(self, log: DecisionLog | None = None) -> None:
+        """A fresh controller from the hotness profile (its decisions go to ``log``), and the fast tier
+        made to match its initial placement now."""
+        self.drain()
+        self.controller = ResidencyController(self.settings, self._hotness, self.cost, log)
+        tiers = self.controller.tiers
+        for li, layer in enumerate(self.moe_layers):
+            for e, h in enumerate(self.handles[layer]):
+                want = self._precision(int(tiers[li, e]))
+                if want is None:
+                    h.fast = None
+                elif h.fast is None or h.fast.precision != want:
+                    h.fast = self._version(layer, e, want)
+                h.replicas = ()
+
+    def _precision(self, code: int) -> str | None:
+        return self.hi if code == 2 else self.lo if code == 1 else None
 
     def _version(self, layer: int, expert: int, precision: str) -> ExpertVersion:
         host = self.handles[layer][expert].host
@@ -259,88 +300,45 @@ class HybridExperts:
             return v
         return make_version(host.w13, host.w2, precision, self.device, self.group)
 
-    def _apply(self, plan: ResidencyPlan) -> None:
-        """Make the fast tier match ``plan`` now (start-up)."""
-        for li, layer in enumerate(self.moe_layers):
-            for e, h in enumerate(self.handles[layer]):
-                tier = plan.tier(li, e)
-                want = {"hi": self.hi, "lo": self.lo, "host": None}[tier]
-                if want is None:
-                    if h.fast is not None:
-                        self.stats.bytes_evicted += h.fast.nbytes
-                    h.fast = None
-                elif h.fast is None or h.fast.precision != want:
-                    h.fast = self._version(layer, e, want)
-                    self.stats.bytes_to_fast += h.fast.nbytes
-        self.state.plan = plan
+    def _wait(self, layer: int, expert: int) -> None:
+        """Wait for the background copy of (layer, expert), if one is queued."""
+        job = self._jobs.pop((layer, expert), None)
+        if job is not None:
+            job.result()
 
-    def _promote_async(self, moves: list[tuple[int, int, str | None]]) -> None:
-        """Copy promotions in the background and swap each handle when its copy is complete."""
+    def _copy_async(self, layer: int, expert: int, precision: str | None) -> None:
+        """Queue a tier change of one expert: a copy in ``precision`` swapped in when complete (one
+        assignment: readers see the old or the new complete version), or a drop (``None``)."""
 
         def work() -> None:
-            for layer, e, precision in moves:
-                h = self.handles[layer][e]
-                if precision is None:
-                    old = h.fast
-                    h.fast = None  # demotion: the next forward pass uses the host version
-                    if old is not None:
-                        with self._lock:
-                            self.stats.bytes_evicted += old.nbytes
-                    continue
-                v = self._version(layer, e, precision)
-                h.fast = v  # one assignment: readers see the old or the new complete version
-                with self._lock:
-                    self.stats.bytes_to_fast += v.nbytes
-                    self.stats.swaps += 1
+            h = self.handles[layer][expert]
+            h.fast = None if precision is None else self._version(layer, expert, precision)
 
-        self._pending = [f for f in self._pending if not f.done()]
-        self._pending.append(self._copier.submit(work))
+        self._jobs[(layer, expert)] = self._copier.submit(work)
 
     def drain(self) -> None:
-        """Wait for background promotions (end of run, tests)."""
-        for f in self._pending:
-            f.result()
-        self._pending = []
+        """Wait for background copies (end of run, tests)."""
+        jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.result()
 
-    def observe(self, counts: np.ndarray, tokens: int) -> None:
-        """After a step: per-MoE-layer routed counts [L, E] feed dynamic residency and replica planning."""
-        st = self.state
-        if st.dynamic is not None:
-            res = st.dynamic.update(counts, tokens)
-            if res is not None:
-                self.stats.replans += 1
-                moves: list[tuple[int, int, str | None]] = []
-                for li, layer_moves in enumerate(res.demotions):
-                    moves += [(self.moe_layers[li], m.expert, None if m.dst == "host" else
-                               (self.hi if m.dst == "hi" else self.lo)) for m in layer_moves]
-                for li, layer_moves in enumerate(res.promotions):
-                    moves += [(self.moe_layers[li], m.expert, self.hi if m.dst == "hi" else self.lo)
-                              for m in layer_moves]
-                if moves:
-                    self._promote_async(moves)
-                st.plan = res.plan
-        x = self.config.execution
-        if x.max_replicas > 0:
-            self._recent.append(counts)
-            self._recent_tokens += tokens
-            if self._recent_tokens >= x.replica_window_tokens:
-                self._replan_replicas(np.sum(self._recent, axis=0))
-                self._recent, self._recent_tokens = [], 0
+    def observe(self, counts: np.ndarray | None, tokens: int) -> StepMoves:
+        """After a step: per-MoE-layer routed counts [L, E] go to the controller; its moves are applied."""
+        assert self.controller is not None
+        moves = self.controller.end_step(counts, tokens)
+        self.apply(moves)
+        return moves
 
-    def _replan_replicas(self, recent: np.ndarray) -> None:
-        x = self.config.execution
-        plan = self.state.plan
-        used = plan.bytes_used() if plan is not None else np.zeros(len(self.moe_layers))
-        spare = np.maximum(0, self.budgets(None) - used) if self.config.experts.residency != "all" else \
-            np.full(len(self.moe_layers), int(self.config.experts.resident_budget_gib * 2**30))
-        wanted = plan_replicas(recent, x.replica_threshold, x.max_replicas, spare, self.bytes_hi)
-        for li, layer in enumerate(self.moe_layers):
-            for e, h in enumerate(self.handles[layer]):
-                n = wanted.get(li, {}).get(e, 0)
-                if n != len(h.replicas):
-                    h.replicas = tuple(self._version(layer, e, self.hi) for _ in range(n))
-                    self.stats.bytes_to_fast += n * self.bytes_hi
-        self.state.replicas = wanted
+    def apply(self, moves: StepMoves) -> None:
+        """Make the fast tier follow ``moves``: tier changes copy in the background (a plan that needs
+        one waits for it), replica counts are built now."""
+        for m in (*moves.demotions, *moves.promotions):
+            layer = self.moe_layers[m.layer]
+            self._copy_async(layer, m.expert, self._precision({"hi": 2, "lo": 1, "host": 0}[m.dst]))
+        for change in moves.replicas:
+            layer = self.moe_layers[change.layer]
+            self.handles[layer][change.expert].replicas = tuple(
+                self._version(layer, change.expert, self.hi) for _ in range(change.replicas))
 
     def _sm_partition_stream(self) -> torch.cuda.Stream | None:
         """A stream on a CUDA green context holding ``expert_sm_share`` of the SMs, for expert compute.
@@ -385,177 +383,121 @@ class HybridExperts:
             torch.set_num_threads(before)
 
     def _run(self, v: ExpertVersion, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU expert on version ``v``; x on v's device in the compute dtype."""
-        want = _FLOAT.get(v.precision)
-        if want is None or want == x.dtype or (self.native and v.device.type == "cpu" and want in kernels.HALF_DTYPES):
-            xin = x  # same dtype, integer weights, or fp32 products read straight from half weights
-        else:
-            xin = x.to(want)  # a float copy in another precision
-        gu = v.linear13(xin, self.native)  # [n, 2I]
-        inter = gu.shape[-1] // 2
-        return v.linear2(F.silu(gu[:, :inter]) * gu[:, inter:], self.native).to(x.dtype)  # [n, H]
+        return swiglu(v, x, self.native)
 
-    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Experts of one MoE layer for a step. h [T, H]; weights/ids [T, K] (id -1 = skipped slot)."""
-        x_cfg = self.config.execution
-        t, k = ids.shape
-        out = torch.zeros_like(h)
+    def forward(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                decision: LayerDecision | None = None) -> torch.Tensor:
+        """Experts of one MoE layer for a step, as ``decision`` plans them (planned here when not
+        given). h [T, H]; weights/ids [T, K] (id -1 = skipped slot)."""
+        assert self.controller is not None
+        if decision is None:
+            decision = self.controller.plan_layer(self.layer_index[layer], ids.cpu().numpy())
+        out = torch.empty_like(h)  # every row belongs to one micro-batch
         stream = self.expert_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else _null():
-            for sl in step_slices(t, x_cfg.expert_batching, x_cfg.micro_batch_tokens):
-                out[sl] = self._forward_tokens(layer, h[sl], weights[sl], ids[sl])
+            for part in decision.parts:
+                sl = slice(part.start, part.stop)
+                out[sl] = self._execute(layer, part, h[sl], weights[sl], ids[sl])
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.state.cache is not None and self.config.experts.prefetch_experts > 0:
-            self._prefetch_next(layer, ids)
+        if decision.prefetch or decision.prefetch_evicted:
+            nxt = self.moe_layers[decision.layer + 1]
+            for e in decision.prefetch_evicted:
+                self._copy_async(nxt, e, None)
+            for e in decision.prefetch:
+                self._copy_async(nxt, e, self.hi)
         return out
 
-    def _prefetch_next(self, layer: int, ids: torch.Tensor) -> None:
-        """Cache residency: learn layer-to-layer co-occurrence and copy up the next layer's likely experts."""
-        cache = self.state.cache
-        li = self.layer_index[layer]
-        self._step_ids[li] = ids.cpu().numpy()
-        if li == len(self.moe_layers) - 1:
-            if len(self._step_ids) == len(self.moe_layers):
-                cache.observe(np.stack([self._step_ids[i] for i in range(len(self.moe_layers))], axis=1))
-            self._step_ids = {}
-            return
-        flat = self._step_ids[li].reshape(-1)
-        current = {int(e): int(n) for e, n in zip(*np.unique(flat[flat >= 0], return_counts=True), strict=True)}
-        want = cache.prefetch_candidates(li + 1, current, self.config.experts.prefetch_experts)
-        if not want:
-            return
-        nxt = self.moe_layers[li + 1]
-        moves: list[tuple[int, int, str | None]] = [(nxt, e, None) for e in cache.prefetch(li + 1, want)]
-        moves += [(nxt, e, self.hi) for e in want if e in cache.cached(li + 1)]
-        self.stats.prefetched += len(want)
-        self._promote_async(moves)
+    def _resident(self, layer: int, expert: int, where: str) -> ExpertVersion:
+        """The fast copy a plan runs ``expert`` on, waiting for its background copy if it is queued."""
+        self._wait(layer, expert)
+        v = self.handles[layer][expert].fast  # read once: a concurrent swap cannot split this call
+        want = self.hi if where == "hi" else self.lo
+        if v is None or v.precision != want:
+            raise RuntimeError(f"plan runs expert {expert} of layer {layer} resident in {want}, but the fast "
+                               f"tier holds {v.precision if v is not None else 'nothing'} for it")
+        return v
 
-    def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """Every routed expert in one native call when all are resident on the host in one precision
-        (bf16/fp16, or int8 with row scales) without replicas; None when the general path must run
-        (then long prompt chunks also run expert by expert on PyTorch's GEMM)."""
-        if (not self.native or h.device.type != "cpu" or self.state.cache is not None
+    def _execute(self, layer: int, part: PartPlan, h: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+        """One micro-batch as planned: cache changes first, then the experts."""
+        hs = self.handles[layer]
+        if part.cache is not None:
+            for e in part.cache.evictions:
+                self._wait(layer, e)
+                hs[e].fast = None
+            for e in part.admitted:  # a miss the cache took in: copy it up now and keep it
+                self._wait(layer, e)
+                hs[e].fast = self._version(layer, e, self.hi)
+        fused = self._run_fused(layer, h, weights, ids, part)
+        if fused is not None:
+            return fused
+        return self._run_grouped(layer, part, h, weights, ids)
+
+    def _run_fused(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   part: PartPlan | None = None) -> torch.Tensor | None:
+        """The micro-batch in one native call (:func:`fused_moe`) when every planned expert runs from
+        host memory without a fetch or replicas and few enough tokens per expert; None when the grouped
+        path must run (then long prompt chunks also run expert by expert on PyTorch's GEMM). Without a
+        ``part`` the controller plans it (one coalesced micro-batch)."""
+        if part is None:
+            assert self.controller is not None
+            part = self.controller.plan_layer(self.layer_index[layer], ids.cpu().numpy()).parts[0]
+        if (not self.native or h.device.type != "cpu"
                 or ids.numel() > kernels.MAX_NATIVE_TOKENS_PER_EXPERT * self.spec.n_experts):
             return None
         hs = self.handles[layer]
-        routed: dict[int, int] = {}
-        for e in ids.reshape(-1).tolist():
-            if e >= 0:
-                routed[e] = routed.get(e, 0) + 1
-        versions, on_host = {}, 0
-        for e, n_tok in routed.items():
-            v = hs[e].fast
-            if v is None and self.device.type == "cpu" and decide(
-                    n_tok, self.bytes_host, self.config.execution.missing_expert, self.cost) == "host":
-                v, on_host = hs[e].host, on_host + 1  # without an accelerator the host copy is the same memory
-            if v is None or hs[e].replicas or v.device.type != "cpu":
+        versions = {}
+        for run in part.runs:
+            if run.split or run.where == "fetch":
                 return None
-            versions[e] = v
-        precisions = {v.precision for v in versions.values()}
-        if len(precisions) > 1 or not precisions <= {"bf16", "fp16", "int8"}:
-            return None
-        n = self.spec.n_experts
-        resident = [v for e, v in versions.items() if v is hs[e].fast]
-        self.stats.expert_calls_host += on_host
-        self.stats.expert_calls_fast_hi += sum(1 for v in resident if v.precision == self.hi)
-        self.stats.expert_calls_fast_lo += sum(1 for v in resident if v.precision != self.hi)
-        gates = weights.float().contiguous()
-        if precisions == {"int8"}:
-            def col(attr: str, part: str) -> list[torch.Tensor | None]:
-                return [getattr(getattr(versions[e], attr), part) if e in versions else None for e in range(n)]
+            versions[run.expert] = hs[run.expert].host if run.where == "host" else \
+                self._resident(layer, run.expert, run.where)
+        return fused_moe(h, weights, ids, versions, self.spec.n_experts)
 
-            return kernels.ops().moe_list_int8(h.contiguous(), col("w13", "data"), col("w13", "scales"),
-                                               col("w2", "data"), col("w2", "scales"), ids.contiguous(), gates)
-        return kernels.ops().moe_list(h.contiguous(), [versions[e].w13 if e in versions else None for e in range(n)],
-                                      [versions[e].w2 if e in versions else None for e in range(n)],
-                                      ids.contiguous(), gates)
-
-    def _forward_tokens(self, layer: int, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
-        fused = self._run_fused(layer, h, weights, ids)
-        if fused is not None:
-            return fused
-        flat = ids.reshape(-1)
-        valid = flat >= 0
-        order = torch.argsort(torch.where(valid, flat, self.spec.n_experts), stable=True)
-        n_valid = int(valid.sum())
-        order = order[:n_valid]
-        counts = torch.bincount(flat[valid], minlength=self.spec.n_experts).tolist()
-        xs = h.index_select(0, order // k)  # [N, H] grouped by expert
+    def _run_grouped(self, layer: int, part: PartPlan, h: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+        """Each planned expert over its grouped tokens: resident (replicas split the rows), on the host
+        (overlapped on a thread with a GPU), or fetched (on the copy stream with a GPU)."""
+        g = Grouped(h, ids, part_counts(part.runs, self.spec.n_experts))
+        xs = g.xs
         ys = torch.empty_like(xs)
-        li = self.layer_index[layer]
-        cache = self.state.cache
-        host_jobs: list[tuple[int, int, Future]] = []
+        hs = self.handles[layer]
+        host_jobs: list[tuple[slice, Future]] = []
         fetches: list[tuple[slice, ExpertVersion]] = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = slice(start, start + n)
-            start += n
-            handle = self.handles[layer][e]
-            if cache is not None:
-                acc = cache.access(li, [e])
-                for ev in acc.evictions:
-                    old = self.handles[layer][ev].fast
-                    self.handles[layer][ev].fast = None
-                    if old is not None:
-                        self.stats.bytes_evicted += old.nbytes
-                if handle.fast is None and e in cache.cached(li):  # admitted on a miss: copy it up, keep it
-                    handle.fast = self._version(layer, e, self.hi)
-                    self.stats.bytes_to_fast += handle.fast.nbytes
-                # not admitted (a cache smaller than one expert): it runs as a missing expert below
-            v = handle.fast  # read once: a concurrent swap cannot split this call across versions
-            if v is not None:
-                if v.precision == self.hi:
-                    self.stats.expert_calls_fast_hi += 1
+        for run in part.runs:
+            e = run.expert
+            seg = g.segment[e]
+            if run.where in ("hi", "lo"):
+                v = self._resident(layer, e, run.where)
+                if run.split:
+                    self._run_replicas((v, *hs[e].replicas[: len(run.split) - 1]), xs, ys, seg, run.split)
                 else:
-                    self.stats.expert_calls_fast_lo += 1
-                copies = (v, *handle.replicas)
-                if len(copies) == 1:
                     ys[seg] = self._run(v, xs[seg])
-                else:
-                    self.stats.replica_calls += len(copies) - 1
-                    self._run_replicas(copies, xs, ys, seg, n)
-                continue
-            where = decide(n, self.bytes_host, self.config.execution.missing_expert, self.cost)
-            if where == "fetch":
-                self.stats.expert_calls_fetched += 1
+            elif run.where == "fetch":
                 if self.copy_stream is not None:
                     # The copy runs on its own stream while this step's resident experts compute.
                     fetches.append((seg, self._fetch_async(layer, e)))
                     continue
-                fetched = self._version(layer, e, self.hi)
-                self.stats.bytes_to_fast += fetched.nbytes
-                ys[seg] = self._run(fetched, xs[seg])
+                ys[seg] = self._run(self._version(layer, e, self.hi), xs[seg])
+            elif self.device.type == "cuda":
+                # Host compute overlaps with the device experts of this step.
+                xh = xs[seg].to("cpu", non_blocking=False)
+                host_jobs.append((seg, self._host_pool.submit(self._host_call, hs[e].host, xh)))
             else:
-                self.stats.expert_calls_host += 1
-                host = handle.host
-                if self.device.type == "cuda":
-                    # Host compute overlaps with the device experts of this step.
-                    xh = xs[seg].to("cpu", non_blocking=False)
-                    host_jobs.append((seg.start, seg.stop, self._host_pool.submit(self._host_call, host, xh)))
-                else:
-                    with self._host_threads():
-                        ys[seg] = self._run(host, xs[seg])
+                with self._host_threads():
+                    ys[seg] = self._run(hs[e].host, xs[seg])
         if fetches:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_stream(self.copy_stream)
             for seg, fetched in fetches:
                 _record_stream(fetched, cur)  # allocated on the copy stream, read on this one
-                self.stats.bytes_to_fast += fetched.nbytes
                 ys[seg] = self._run(fetched, xs[seg])
-        for a, b, fut in host_jobs:
-            ys[a:b] = fut.result().to(self.device, non_blocking=True)
-        # Back to token order; weighted sum over each token's (kept) experts.
-        w = weights.reshape(-1).to(ys.dtype)
-        full = torch.zeros(t * k, h.shape[1], dtype=ys.dtype, device=ys.device)
-        full.index_copy_(0, order, ys)
-        w = torch.where(valid, w, torch.zeros_like(w))
-        return torch.bmm(w.view(t, 1, k), full.view(t, k, -1))[:, 0]
+        for seg, fut in host_jobs:
+            ys[seg] = fut.result().to(self.device, non_blocking=True)
+        return g.combine(ys, weights)
 
     def _fetch_async(self, layer: int, expert: int) -> ExpertVersion:
         """Start copying an expert to the device on the copy stream (pinned source: asynchronous)."""
@@ -564,19 +506,20 @@ class HybridExperts:
             return make_version(host.w13, host.w2, self.hi, self.device, self.group, non_blocking=True)
 
     def _run_replicas(self, copies: tuple[ExpertVersion, ...], xs: torch.Tensor, ys: torch.Tensor, seg: slice,
-                      n: int) -> None:
-        """Split an expert's tokens across its copies; on a GPU each copy runs on its own stream."""
-        parts = split_slices(n, len(copies))
+                      split: Sequence[int]) -> None:
+        """Split an expert's rows across its copies as planned; on a GPU each copy runs on its own stream."""
+        if len(copies) != len(split):
+            raise RuntimeError(f"plan splits an expert over {len(split)} copies; {len(copies)} exist")
+        bounds = np.concatenate([[0], np.cumsum(split)]).tolist()
+        parts = [slice(seg.start + int(a), seg.start + int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         if self.device.type != "cuda":
-            for c, part in zip(copies, parts, strict=True):
-                rows = slice(seg.start + part.start, seg.start + part.stop)
+            for c, rows in zip(copies, parts, strict=True):
                 ys[rows] = self._run(c, xs[rows])
             return
         cur = torch.cuda.current_stream(self.device)
         while len(self._replica_streams) < len(copies):
             self._replica_streams.append(torch.cuda.Stream(self.device))
-        for c, part, stream in zip(copies, parts, self._replica_streams, strict=False):
-            rows = slice(seg.start + part.start, seg.start + part.stop)
+        for c, rows, stream in zip(copies, parts, self._replica_streams, strict=False):
             stream.wait_stream(cur)
             with torch.cuda.stream(stream):
                 ys[rows] = self._run(c, xs[rows])
@@ -588,6 +531,7 @@ class HybridExperts:
             return self._run(v, x)
 
     def fast_bytes(self) -> int:
+        """Bytes of expert copies on the fast tier now (resident copies and replicas)."""
         total = 0
         for hs in self.handles.values():
             for h in hs:
@@ -610,4 +554,3 @@ class HybridExperts:
         self.drain()
         self._copier.shutdown(wait=True)
         self._host_pool.shutdown(wait=True)
-

@@ -55,18 +55,22 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from engine import precision as _precision
+from engine.config import knob_default
+from engine.precision import check_group_size
+
 log = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16", "fp16", "int8", "int4"]
 Layout = Literal["dense", "int8_rows", "int4_cpu", "int4_tinygemm", "int4_plain"]
 Kernel = Literal["linear", "int8pack_mm", "int4pack_mm_cpu", "int4pack_mm_tinygemm", "dequant"]
 
-PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16", "int8", "int4")
-FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+PRECISIONS: tuple[Precision, ...] = _precision.PRECISIONS  # type: ignore[assignment]
+FLOAT_DTYPES: dict[str, torch.dtype] = {p: _precision.torch_dtype(p) for p in _precision.FLOAT_PRECISIONS}
+KERNEL_GROUP_SIZES = _precision.INT4_GROUP_SIZES
 """int4 group sizes the packed kernels (CPU and tinygemm) accept; others run through ``dequant``."""
-INT4_ROW_MULTIPLE = 16
-"""int4 output rows are padded to this (CPU kernel: N % 16; tinygemm: N % 8)."""
+INT4_ROW_MULTIPLE = _precision.INT4_ROW_MULTIPLE
+_GROUP = knob_default("int4_group_size")  # the registry's default group size
 DEQUANT_FROM_TOKENS: dict[tuple[str, str], int] = {("cpu", "int8"): 128, ("cpu", "int4"): 256}
 """(device type, precision) -> tokens per call from which ``path="auto"`` dequantises and runs a dense
 product instead of the packed kernel (measured with ``python -m engine.moe.bench_quant``). Absent pairs
@@ -76,52 +80,26 @@ DEQUANT_BLOCK_BYTES = 512 * 1024
 """fp32 bytes of weight rows dequantised at a time on the CPU ``dequant`` path (fits L2 with room)."""
 
 _SCALE_DTYPE = torch.bfloat16
+assert _SCALE_DTYPE.itemsize == _precision.SCALE_BYTES  # the byte sizes of engine.precision count these
 _ACT_DTYPE = torch.bfloat16  # activation dtype of the packed kernels
-
-
-def check_group_size(in_features: int, group_size: int, source: str = "in_features") -> None:
-    """Raise ``ValueError`` (one line) unless int4 with ``group_size`` can quantize ``in_features`` columns.
-
-    ``source`` names the dimension in the message (e.g. ``"hidden_size"``). The group size must be
-    positive and divide the dimension, and the dimension must be even (two values per byte). Group
-    sizes outside :data:`KERNEL_GROUP_SIZES` are valid but run through the slow ``dequant`` path.
-    """
-    if group_size <= 0:
-        raise ValueError(f"int4 group_size={group_size} must be positive")
-    if in_features % group_size:
-        raise ValueError(f"int4 group_size={group_size} does not divide {source}={in_features}")
-    if in_features % 2:
-        raise ValueError(f"int4 needs an even {source}, got {source}={in_features}")
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def qweight_nbytes(out_features: int, in_features: int, precision: Precision, group_size: int = 128) -> int:
+def qweight_nbytes(out_features: int, in_features: int, precision: Precision, group_size: int = _GROUP) -> int:
     """Exact bytes :func:`quantize` stores for an ``[out, in]`` matrix in ``precision`` (any device)."""
-    if precision in FLOAT_DTYPES:
-        return out_features * in_features * FLOAT_DTYPES[precision].itemsize
-    if precision == "int8":
-        return out_features * in_features + out_features * _SCALE_DTYPE.itemsize
-    if precision == "int4":
-        check_group_size(in_features, group_size)
-        n_pad = _round_up(out_features, INT4_ROW_MULTIPLE)
-        return n_pad * in_features // 2 + (in_features // group_size) * n_pad * 2 * _SCALE_DTYPE.itemsize
-    raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    return _precision.weight_nbytes(out_features, in_features, precision, group_size)
 
 
-def expert_nbytes(hidden: int, inter: int, precision: Precision, group_size: int = 128) -> int:
+def expert_nbytes(hidden: int, inter: int, precision: Precision, group_size: int = _GROUP) -> int:
     """Exact bytes of one expert, gate+up ``[2I, H]`` and down ``[H, I]``, without quantizing anything.
 
     Equals the sum of ``nbytes()`` of the two real :class:`QWeight`; for int4 the group size must divide
     both ``hidden`` and ``inter`` (``ValueError`` otherwise).
     """
-    if precision == "int4":
-        check_group_size(hidden, group_size, "hidden_size")
-        check_group_size(inter, group_size, "expert_intermediate")
-    return (qweight_nbytes(2 * inter, hidden, precision, group_size)
-            + qweight_nbytes(hidden, inter, precision, group_size))
+    return _precision.expert_nbytes(hidden, inter, precision, group_size)
 
 
 # ---------------------------------------------------------------------------------------------- QWeight
@@ -233,7 +211,7 @@ class QWeight:
 
 # ------------------------------------------------------------------------------------------ quantize
 @torch.no_grad()
-def quantize(w: torch.Tensor, precision: Precision, group_size: int = 128) -> QWeight:
+def quantize(w: torch.Tensor, precision: Precision, group_size: int = _GROUP) -> QWeight:
     """Quantize (or cast) a float ``[out, in]`` weight on its device; ``group_size`` is used by int4 only."""
     if w.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [out, in] weight, got shape {tuple(w.shape)}")

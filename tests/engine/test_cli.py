@@ -100,3 +100,50 @@ def test_sweep_and_eval_json(model_dir, capsys):
     assert main(["eval", "--model", model_dir, "--hi-precision", "int8", "--max-prompts", "2", "--json"]) == 0
     q = last_json(capsys)
     assert 0.5 < q["top1_agreement"] <= 1.0 and q["mean_kl"] >= 0 and q["prompts"] == 2
+
+
+def test_run_writes_decisions_and_replays_them_on_the_stub(model_dir, tmp_path, capsys):
+    """`engine run --decisions` writes the plan of every step and MoE layer; `workloads record` then
+    `engine run --backend stub` on the recorded workload writes plans of the same steps and layers
+    without tensors (identical plans are test_backend_parity's: here the trace was recorded in the
+    machine's own compute precision, which may route a near tie differently)."""
+    from workloads.cli import main as workloads_main
+
+    recorded = tmp_path / "recorded"
+    assert workloads_main(["record", "--model", model_dir, "--workload", "builtin:tiny", "--out", str(recorded),
+                           "--max-requests", "4"]) == 0
+    from pathlib import Path
+
+    from engine.model.arch import read_config
+
+    _, spec = read_config(Path(model_dir))
+    two_bf16_experts_gib = 2 * 3 * spec.hidden_size * spec.expert_intermediate * 2 * len(spec.moe_layers) / 2**30
+    knobs = ["--compute-dtype", "float32", "--residency", "cache", "--resident-budget-gib", f"{two_bf16_experts_gib:.9f}",
+             "--missing-expert", "host", "--mode", "offline", "--quiet"]
+    files = {}
+    for backend in ("live", "stub"):
+        out = tmp_path / f"{backend}.jsonl"
+        capsys.readouterr()
+        assert main(["run", "--model", model_dir, "--workload", str(recorded), "--backend", backend,
+                     "--decisions", str(out), "--json", *knobs]) == 0
+        res = last_json(capsys)
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert lines == res["decisions"] and res["meta"]["backend"] == backend
+        files[backend] = lines
+    live = files["live"]
+    assert live[0]["step"] == -1  # the initial placement
+    assert {d["layer"] for d in live if "layer" in d} == set(range(len(live[0]["hi"])))
+    assert all({"step", "layer", "parts"} <= set(d) for d in live[1:] if "moves" not in d)
+    assert any("host" in p for d in live[1:] for p in d.get("parts", ()))
+
+    def where(d: dict) -> tuple:
+        return d["step"], d.get("layer"), [p["rows"] for p in d.get("parts", ())]
+
+    assert [where(d) for d in files["stub"]] == [where(d) for d in live]
+
+
+def test_stub_backend_without_a_trace_is_one_line(model_dir, capsys):
+    assert main(["run", "--model", model_dir, "--workload", "builtin:tiny", "--backend", "stub",
+                 "--compute-dtype", "float32", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("engine: error: stub backend:") and "no router trace" in err and "\n" not in err

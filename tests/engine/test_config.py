@@ -109,3 +109,70 @@ def test_knob_table_lists_every_knob_with_range():
     assert {r["knob"].split(".")[0] for r in rows} == set(AREAS)
     row = next(r for r in rows if r["knob"] == "scheduler.max_batch_seqs")
     assert row["range"] == "[1, 4096]" and row["search"] == "1..64 log"
+
+
+def test_search_without_choices_takes_the_literal_choices():
+    import typing
+
+    by_key = {k.key: k for k in knobs()}
+    for key in ("experts.residency", "execution.missing_expert", "execution.expert_batching",
+                "execution.decode_attention", "experts.cache_policy"):
+        k = by_key[key]
+        assert k.search.choices == k.choices, key
+    assert by_key["experts.residency"].search.choices == typing.get_args(
+        typing.get_type_hints(AREAS["experts"])["residency"])
+    # a subset is still stated where the search is narrower than the type
+    assert by_key["runtime.compute_dtype"].search.choices == ("auto", "checkpoint", "float32")
+
+
+def test_plain_configs_are_derived_from_the_registry():
+    from engine.config import departures_from_plain
+    from engine.runtime import is_plain
+
+    base = EngineConfig()
+    assert departures_from_plain(base) == [] and is_plain(base)
+    assert departures_from_plain(base.replace(residency="static")) == ["experts.residency"]
+    assert departures_from_plain(base.replace(top_k_override=2, expert_batching="micro")) == [
+        "execution.expert_batching", "routing.top_k_override"]
+    # knobs the plain engine honours itself, and knobs inactive under their parents, keep it plain
+    assert is_plain(base.replace(decode_attention="host"))
+    assert is_plain(base.replace(lo_precision="int8", hotness_warmup_tokens=9, micro_batch_tokens=3))
+    for knobs_ in (dict(hi_precision="int8"), dict(max_replicas=1), dict(host_expert_threads=1),
+                   dict(expert_sm_share=0.5), dict(min_gate_weight=0.1)):
+        assert not is_plain(base.replace(**knobs_)), knobs_
+
+
+def test_one_flat_to_nested_merge():
+    from engine.config import merge_flat
+
+    nested = EngineConfig().to_dict()
+    merged = merge_flat(nested, {"max_batch_seqs": 3, "runtime.seed": 5, "experts": {"residency": "cache"}})
+    assert merged["scheduler"]["max_batch_seqs"] == 3 and merged["runtime"]["seed"] == 5
+    assert merged["experts"]["residency"] == "cache" and nested["scheduler"]["max_batch_seqs"] == 32
+    with pytest.raises(ConfigError, match="src: unknown key 'bogus'"):
+        merge_flat(nested, {"bogus": 1}, "src")
+
+
+def test_defaults_and_int4_group_sizes_are_stated_once():
+    from engine.config import knob_default
+    from engine.moe import quant
+    from engine.precision import INT4_GROUP_SIZES
+
+    assert knob_default("int4_group_size") == knob_default("experts.int4_group_size") == 128
+    assert quant.KERNEL_GROUP_SIZES == INT4_GROUP_SIZES
+    k = next(k for k in knobs() if k.name == "int4_group_size")
+    assert (k.min, k.max) == (INT4_GROUP_SIZES[0], INT4_GROUP_SIZES[-1])
+    with pytest.raises(ConfigError, match=r"int4_group_size=48: must be one of 32, 64, 128, 256"):
+        EngineConfig().replace(int4_group_size=48)
+
+
+def test_dtype_precision_table():
+    import torch
+
+    from engine.precision import FLOAT_PRECISIONS, dtype_name, precision_of, torch_dtype
+
+    for p, name in FLOAT_PRECISIONS.items():
+        assert torch_dtype(p) is torch_dtype(name) is getattr(torch, name)
+        assert precision_of(getattr(torch, name)) == precision_of(name) == p and dtype_name(torch_dtype(p)) == name
+    with pytest.raises(ValueError, match="int8"):
+        precision_of("int8")

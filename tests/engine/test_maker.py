@@ -83,7 +83,7 @@ def routed_counts(make_ckpt, open_engine, arch: str, seed: int, router_skew: flo
     for i in range(SKEW_SEQS):
         driver.admit(f"s{i}", i)
     driver.step([(f"s{i}", driver.random_prompt(SKEW_SEQ_TOKENS, seed=100 + i), False) for i in range(SKEW_SEQS)])
-    counts = driver.decoder.stats.counts
+    counts = {layer: torch.as_tensor(c) for layer, c in driver.decoder.stats.counts.items()}  # numpy [E] each
     assert sorted(counts) == [0, 1, 2, 3]
     for c in counts.values():
         assert c.shape == (SKEW_EXPERTS,) and int(c.sum()) == SKEW_SEQS * SKEW_SEQ_TOKENS * SKEW_TOP_K

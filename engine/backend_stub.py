@@ -1,0 +1,237 @@
+"""The stub backend: the live engine's scheduler and expert plans, with no tensors.
+
+Each step is laid out by the same :class:`~engine.sequences.SequenceTable` (so the same tokens run
+in the same steps), each token's experts are read from a router trace (the request's next rows,
+token by token), pruned by the same :func:`~engine.moe.policy.routing.prune_routes`, and planned
+by the same :class:`~engine.moe.policy.controller.ResidencyController` the live executor runs.
+Its decision log and its tier statistics are therefore the live engine's for the same workload
+and trace; that is what ``tests/engine/test_backend_parity.py`` checks. It is the seed of the
+simulator: it prices nothing yet (every step takes 0 s on its virtual clock) and produces no
+tokens (each output token id is -1), so it needs ``sampling.ignore_eos`` (no end-of-sequence token
+can be seen).
+
+No torch: :meth:`StubBackend.from_checkpoint` reads a checkpoint's config and router fingerprint
+(that needs the checkpoint loader), the constructor takes a model spec and identity directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.backend import RunStart, RunTail, VirtualClock
+from engine.config import HOTNESS_RESIDENCIES, ConfigError, EngineConfig, departures_from_plain
+from engine.model.arch import ModelSpec
+from engine.moe.planning import plan_settings, tier_precisions
+from engine.moe.policy.controller import ResidencyController
+from engine.moe.policy.execution import CostModel
+from engine.moe.policy.plan import DecisionLog, MoEStats
+from engine.moe.policy.routing import prune_routes
+from engine.precision import FLOAT_PRECISIONS, PRECISIONS
+from engine.results import ExpertStat
+from engine.sequences import Sequence, SequenceTable, StepOutcome
+
+if TYPE_CHECKING:
+    from workloads.router import RouterTrace
+
+NO_TOKEN = -1
+"""The token id the stub reports for every generated token (it computes no logits)."""
+
+
+class StubBackend:
+    """See the module docstring. ``weight_precision``: the precision the experts are loaded in (the
+    live engine's ``weight_dtype``; ``hi_precision="auto"`` keeps it). ``trace``: route from this
+    trace instead of the workload's (static and dynamic residency still take their hotness from the
+    workload's trace when it has one, as the live engine does). ``cost_model``: the costs
+    ``missing_expert="auto"`` decides by."""
+
+    kind = "stub"
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig | None, *, identity: dict[str, Any],
+                 weight_precision: str, trace: RouterTrace | None = None, cost_model: CostModel | None = None,
+                 describe_model: dict[str, Any] | None = None) -> None:
+        if weight_precision not in PRECISIONS:
+            raise ConfigError(f"stub backend: weight_precision={weight_precision!r}: must be one of "
+                              f"{', '.join(PRECISIONS)}")
+        self._spec = spec
+        self._identity = dict(identity)
+        self._describe_model = describe_model or {"arch": spec.arch}
+        self.weight_precision = weight_precision
+        self.cost_model = cost_model
+        self._given_trace = trace
+        self._config = EngineConfig()
+        self._apply(config or EngineConfig())
+
+    @classmethod
+    def from_checkpoint(cls, model: str | Path, config: EngineConfig | None = None, *,
+                        weight_precision: str | None = None, **options: Any) -> StubBackend:
+        """A stub for a checkpoint (its config and router fingerprint are read, no weights).
+        ``weight_precision`` defaults to what the config asks for: the compute dtype, or the stored
+        half precision that native kernels read (``runtime.compute_dtype`` must then not be ``auto``,
+        which the live engine decides by measuring this machine)."""
+        from engine.model.checkpoint import Checkpoint
+        from engine.model.maker import resolve_model
+        from engine.precision import precision_of
+
+        cfg = config or EngineConfig()
+        ckpt = Checkpoint(resolve_model(str(model)))
+        if weight_precision is None:
+            rt = cfg.runtime
+            stored = precision_of(ckpt.dtype)
+            if rt.compute_dtype == "auto":
+                raise ConfigError("stub backend: runtime.compute_dtype='auto' is decided by measuring a machine; "
+                                  "give runtime.compute_dtype or the stub's weight_precision")
+            compute = stored if rt.compute_dtype == "checkpoint" else precision_of(rt.compute_dtype)
+            native = compute == "fp32" and stored in ("bf16", "fp16") and rt.cpu_kernels != "torch"
+            weight_precision = stored if native else compute
+        fingerprint = ckpt.fingerprint()
+        return cls(ckpt.spec, cfg, identity=ckpt.spec.identity(fingerprint), weight_precision=weight_precision,
+                   describe_model={**ckpt.describe(), "fingerprint": fingerprint,
+                                   "identity": ckpt.spec.identity(fingerprint)}, **options)
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    def model_identity(self) -> dict[str, Any]:
+        return dict(self._identity)
+
+    def clock(self) -> VirtualClock:
+        return VirtualClock()
+
+    def _apply(self, config: EngineConfig) -> None:
+        config.validate()
+        config.validate_for(self._spec, None, source="stub backend")
+        if not config.sampling.ignore_eos:
+            raise ConfigError("stub backend: sampling.ignore_eos=false needs the model's tokens; the stub computes "
+                              "none (output lengths come from the workload)")
+        if config.routing.top_k_override > self._spec.top_k:
+            raise ConfigError(f"stub backend: routing.top_k_override={config.routing.top_k_override} routes to more "
+                              f"experts than a router trace holds (the model's top_k={self._spec.top_k})")
+        self._config = config
+        self.settings = plan_settings(config, self._spec, self.weight_precision)
+        self.plain = not departures_from_plain(config)  # the live engine runs no hybrid executor then
+        self.seqs = SequenceTable(config.scheduler, self._spec.vocab_size)
+        self.stats = MoEStats()
+        self.controller = ResidencyController(self.settings)
+        self.hotness: np.ndarray | None = None
+        self._trace: RouterTrace | None = None
+        self._cursor: dict[str, int] = {}
+        self._log: DecisionLog | None = None
+        self._routes: dict[str, list[tuple[np.ndarray, np.ndarray]]] | None = None
+
+    def reconfigure(self, config: EngineConfig) -> float:
+        self._apply(config)
+        return 0.0
+
+    def start(self, run: RunStart) -> None:
+        trace = self._given_trace if self._given_trace is not None else run.trace
+        if trace is None:
+            raise ConfigError(f"stub backend: {run.source} has no router trace to route its tokens from "
+                              "(record one with `workloads record`)")
+        trace.check_model(self._identity, "the stub's router trace" if trace is self._given_trace else run.source)
+        if run.trace is not None and run.trace is not trace:
+            run.trace.check_model(self._identity, run.source)
+        self._trace = trace
+        self._cursor = {}
+        r = self._config.experts
+        # Hotness as the live engine takes it: from the workload's trace (else from the routing trace).
+        profile = run.trace if run.trace is not None else trace
+        self.hotness = profile.hotness() if r.residency in HOTNESS_RESIDENCIES else None
+        cost = self.cost_model if self._config.execution.missing_expert == "auto" and r.residency != "all" else None
+        if cost is None and self._config.execution.missing_expert == "auto" and r.residency != "all":
+            raise ConfigError("stub backend: execution.missing_expert='auto' needs calibrated costs (the stub's "
+                              "cost_model); without them use missing_expert host or fetch")
+        self._log = DecisionLog() if run.decisions else None
+        self.controller = ResidencyController(self.settings, self.hotness, cost, self._log)
+        self.stats.reset()
+        self._routes = {} if run.record_routes else None
+
+    def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
+        return self.seqs.add(key, prompt, max_new_tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.seqs.has_work
+
+    def step(self) -> StepOutcome:
+        layout = self.seqs.next_step()
+        if not layout.segments:
+            return StepOutcome(0.0, 0, 0, 0, [], [])
+        ids, gates = self._rows(layout.owners)  # [T, L, K]
+        spec, rt = self._spec, self._config.routing
+        cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
+        for li, layer in enumerate(spec.moe_layers):
+            layer_ids = ids[:, li, :]
+            if cut is not None or rt.min_gate_weight > 0:
+                _, layer_ids, _ = prune_routes(gates[:, li, :].astype(np.float32), layer_ids, cut,
+                                               rt.min_gate_weight)
+            decision = self.controller.plan_layer(li, layer_ids)
+            self.stats.add(layer, decision.counts)
+        ctl = self.controller
+        ctl.end_step(self.stats.step_counts(spec.moe_layers) if ctl.wants_step_counts else None, layout.n_tokens)
+        produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
+        return StepOutcome(0.0, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced, finished)
+
+    def _rows(self, owners: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The trace rows of the step's tokens, in step order: each request's next ``n`` tokens."""
+        trace = self._trace
+        assert trace is not None
+        id_parts, gate_parts = [], []
+        for key, _start, n in owners:
+            if key not in trace:
+                raise ConfigError(f"stub backend: the router trace has no tokens for request {key!r}")
+            ids, gates = trace.request(key)
+            at = self._cursor.get(key, 0)
+            if at + n > ids.shape[0]:
+                raise ConfigError(f"stub backend: the router trace holds {ids.shape[0]} tokens of request {key!r}; "
+                                  f"the run needs at least {at + n} (record the trace with the same requests)")
+            self._cursor[key] = at + n
+            id_parts.append(ids[at: at + n])
+            gate_parts.append(gates[at: at + n])
+            if self._routes is not None:
+                self._routes.setdefault(key, []).append((ids[at: at + n], gates[at: at + n]))
+        return np.concatenate(id_parts), np.concatenate(gate_parts)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "backend": self.kind,
+            "model": dict(self._describe_model),
+            "device": "none",
+            "compute_dtype": None,
+            "weight_dtype": FLOAT_PRECISIONS.get(self.weight_precision, self.weight_precision),
+            "cpu_kernels": "none",
+            "hybrid": False,
+            "priced": False,
+            "inert_knobs": {k: "the stub backend executes plans without tensors" for k in (
+                "runtime.device", "runtime.compute_dtype", "runtime.cpu_kernels", "runtime.threads",
+                "execution.expert_sm_share", "execution.host_expert_threads", "execution.decode_attention")},
+        }
+
+    def finish(self) -> RunTail:
+        hi, lo = tier_precisions(self._config, self.weight_precision)
+        table = {} if self.plain else self.controller.expert_table(hi, lo, self.weight_precision)
+        layer_index = {layer: i for i, layer in enumerate(self._spec.moe_layers)}
+        stats = []
+        for layer, counts in sorted(self.stats.counts.items()):
+            for e, n in enumerate(counts.tolist()):
+                resident, prec, replicas = table.get((layer_index[layer], e), (True, self.weight_precision, 0))
+                stats.append(ExpertStat(layer, e, int(n), resident=resident, precision=prec, replicas=replicas))
+        decisions = self._log.entries if self._log is not None else None
+        self._log = None
+        self.controller.log = None
+        routes = None
+        if self._routes is not None:
+            routes = {k: (np.concatenate([c[0] for c in v]), np.concatenate([c[1] for c in v]))
+                      for k, v in self._routes.items()}
+            self._routes = None
+        return RunTail(expert_stats=stats, tiers=None if self.plain else self.controller.stats,
+                       fast_tier_expert_bytes=None if self.plain else self.controller.resident_bytes(),
+                       routes=routes, decisions=decisions)

@@ -1,0 +1,297 @@
+"""The residency controller: every expert decision of a run, one MoE layer of one step at a time.
+
+It holds the state the decisions depend on (which experts are resident and in which precision, the
+expert cache, replica counts, the dynamic re-planner's hotness, the recent-load window, next-layer
+co-occurrence) and nothing else: no weights, no device. Per step and MoE layer,
+:meth:`ResidencyController.plan_layer` takes the layer's routed expert ids and returns the
+:class:`~engine.moe.policy.plan.LayerDecision` (cache accessed once per micro-batch with all its
+experts pinned together, then :func:`~engine.moe.policy.plan.plan_runs`); after the step,
+:meth:`ResidencyController.end_step` returns the :class:`~engine.moe.policy.plan.StepMoves`
+(dynamic promotions and demotions, replica counts). A decision takes effect from the next plan on:
+the mechanism makes the fast tier match (waiting for a copy a plan needs), so the plans, and the
+statistics counted from them, are the same whichever backend executes them.
+
+Pure and deterministic (numpy and the standard library).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.moe.policy.batching import step_slices
+from engine.moe.policy.execution import CostModel
+from engine.moe.policy.plan import (
+    DecisionLog,
+    LayerDecision,
+    PartPlan,
+    ReplicaChange,
+    StepMoves,
+    TierStats,
+    counts_of,
+    moves_bytes,
+    plan_runs,
+    tier_bytes,
+)
+from engine.moe.policy.replication import plan_replicas
+from engine.moe.policy.residency import (
+    TIER_CODES,
+    DynamicResidency,
+    ExpertCache,
+    ResidencyPlan,
+    layer_budgets,
+    plan_static,
+)
+
+SWAP_SHARE_DEFAULT = 8
+"""With ``dynamic_max_swaps == 0``, a re-plan makes at most one exchange per this many experts of a
+layer (and at least one): ``max(1, n_experts // 8)``. A policy parameter, documented here once."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the controller needs from the config and the model, as plain values.
+
+    ``residency``: ``all`` | ``static`` | ``dynamic`` | ``cache``. Bytes are exact bytes of one
+    expert: ``bytes_hi`` / ``bytes_lo`` of its resident copies (``bytes_lo`` None without a
+    low-precision copy), ``bytes_host`` of its host copy (what a fetch moves, at ``bytes_hi`` on
+    arrival). ``resident_as_loaded``: the resident copies are the loaded weights themselves (every
+    expert resident in the loaded precision), so nothing is copied at start.
+    """
+
+    n_layers: int
+    n_experts: int
+    residency: str = "all"
+    budget_bytes: int = 0
+    budget_split: str = "uniform"
+    budget_vector: tuple[float, ...] | None = None
+    bytes_hi: int = 1
+    bytes_lo: int | None = None
+    bytes_host: int = 1
+    resident_as_loaded: bool = True
+    missing: str = "host"
+    batching: str = "coalesced"
+    micro_batch_tokens: int = 1
+    dynamic_half_life_tokens: float = 2048.0
+    dynamic_replan_tokens: int = 512
+    dynamic_hysteresis: float = 0.2
+    dynamic_max_swaps: int = 0
+    cache_policy: str = "lru"
+    prefetch_experts: int = 0
+    max_replicas: int = 0
+    replica_threshold: float = 2.0
+    replica_window_tokens: int = 1024
+
+    @property
+    def trivial(self) -> bool:
+        """Every routed expert runs on its resident copy in one product per step: nothing to decide."""
+        return self.residency == "all" and self.max_replicas == 0 and self.batching == "coalesced"
+
+    @property
+    def max_swaps_per_replan(self) -> int:
+        return self.dynamic_max_swaps or max(1, self.n_experts // SWAP_SHARE_DEFAULT)
+
+
+class ResidencyController:
+    """Residency state and the plans of every MoE layer (see the module docstring).
+
+    ``hotness`` ``[L, E]`` (shares per layer) seeds static and dynamic residency and the
+    proportional budget split; without it experts are equally hot. ``cost`` is needed when
+    ``missing == "auto"`` and an expert is missing. ``log``, when given, receives every decision.
+    """
+
+    def __init__(self, settings: PlanSettings, hotness: np.ndarray | None = None, cost: CostModel | None = None,
+                 log: DecisionLog | None = None) -> None:
+        s = self.settings = settings
+        self.cost = cost
+        self.log = log
+        self.stats = TierStats()
+        n_layers, n_experts = s.n_layers, s.n_experts
+        self.dynamic: DynamicResidency | None = None
+        self.cache: ExpertCache | None = None
+        if s.residency == "all":
+            self.plan = ResidencyPlan(n_experts, s.bytes_hi, None, tuple([s.bytes_hi * n_experts] * n_layers),
+                                      tuple(tuple(range(n_experts)) for _ in range(n_layers)),
+                                      tuple(() for _ in range(n_layers)))
+        else:
+            hot = np.full((n_layers, n_experts), 1.0 / n_experts) if hotness is None else np.asarray(hotness)
+            budgets = layer_budgets(s.budget_bytes, s.budget_split, n_layers, load=hot.sum(axis=1),
+                                    vector=s.budget_vector)
+            if s.residency == "cache":
+                self.cache = ExpertCache.from_budgets(n_experts, budgets, s.bytes_hi, policy=s.cache_policy)
+                self.plan = ResidencyPlan(n_experts, s.bytes_hi, None, tuple(budgets.tolist()),
+                                          tuple(() for _ in range(n_layers)), tuple(() for _ in range(n_layers)))
+            elif s.residency == "dynamic":
+                self.dynamic = DynamicResidency.from_hotness(
+                    hot, budgets, s.bytes_hi, s.bytes_lo, half_life_tokens=s.dynamic_half_life_tokens,
+                    replan_interval_tokens=s.dynamic_replan_tokens, hysteresis=s.dynamic_hysteresis,
+                    max_swaps_per_replan=s.max_swaps_per_replan)
+                self.plan = self.dynamic.plan
+            elif s.residency == "static":
+                self.plan = plan_static(hot, budgets, s.bytes_hi, s.bytes_lo)
+            else:
+                raise ValueError(f"residency must be all, static, dynamic or cache, got {s.residency!r}")
+        self.tiers = self.plan.tier_codes().astype(np.int8)  # writable: the cache changes it
+        self.replicas = np.zeros((n_layers, n_experts), np.int64)
+        self._recent: list[np.ndarray] = []
+        self._recent_tokens = 0
+        self._step_ids: dict[int, np.ndarray] = {}
+        self._bytes_of = {"hi": s.bytes_hi, "lo": s.bytes_lo or 0, "host": 0}
+        if not s.resident_as_loaded:
+            self.stats.bytes_to_fast += int(self.plan.bytes_used().sum())
+        if log is not None:
+            log.initial(self.plan.hi, self.plan.lo)
+
+    # ------------------------------------------------------------------ per layer
+    def plan_layer(self, layer: int, ids: np.ndarray) -> LayerDecision:
+        """The decision of MoE layer ``layer`` (0-based among MoE layers) for a step whose routed
+        expert ids are ``ids`` ``[T, K]`` (-1 = skipped slot)."""
+        s = self.settings
+        t = int(ids.shape[0])
+        counts = counts_of(ids, s.n_experts)
+        if s.trivial:
+            self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
+            decision = LayerDecision(layer, counts, t)
+        else:
+            parts = tuple(self._plan_part(layer, ids[sl], sl.start, sl.stop, counts if t == sl.stop - sl.start
+                                          else None) for sl in step_slices(t, s.batching, s.micro_batch_tokens))
+            prefetch: tuple[int, ...] = ()
+            evicted: tuple[int, ...] = ()
+            if self.cache is not None and s.prefetch_experts > 0:
+                prefetch, evicted = self._prefetch_next(layer, ids, counts)
+            decision = LayerDecision(layer, counts, t, parts, prefetch, evicted)
+        if self.log is not None:
+            self.log.layer(decision)
+        return decision
+
+    def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
+                   counts: np.ndarray | None) -> PartPlan:
+        s = self.settings
+        if counts is None:
+            counts = counts_of(ids, s.n_experts)
+        access = None
+        admitted: tuple[int, ...] = ()
+        if self.cache is not None:
+            # One access per micro-batch: its experts are needed together, so none evicts another.
+            access = self.cache.access(layer, np.flatnonzero(counts).tolist())
+            cached = set(self.cache.cached(layer))
+            admitted = tuple(e for e in access.misses if e in cached)
+            for e in access.evictions:
+                self.tiers[layer, e] = TIER_CODES["host"]
+            self.tiers[layer, list(admitted)] = TIER_CODES["hi"]
+            st = self.stats
+            st.cache_hits += len(access.hits)
+            st.cache_misses += len(access.misses)
+            st.cache_evictions += len(access.evictions)
+            st.bytes_evicted += len(access.evictions) * s.bytes_hi
+            st.bytes_to_fast += len(admitted) * s.bytes_hi
+        runs = plan_runs(counts, self.tiers[layer], self.replicas[layer], s.missing, self.cost, s.bytes_host)
+        self.stats.count_runs(runs)
+        self.stats.bytes_to_fast += sum(s.bytes_hi for r in runs if r.where == "fetch")
+        return PartPlan(start, stop, runs, access, admitted)
+
+    def _prefetch_next(self, layer: int, ids: np.ndarray, counts: np.ndarray) -> tuple[tuple[int, ...],
+                                                                                     tuple[int, ...]]:
+        """Cache residency: learn layer-to-layer co-occurrence and pick the next layer's likely experts."""
+        cache = self.cache
+        assert cache is not None
+        s = self.settings
+        self._step_ids[layer] = np.asarray(ids)
+        if layer == s.n_layers - 1:
+            if len(self._step_ids) == s.n_layers:
+                cache.observe(np.stack([self._step_ids[i] for i in range(s.n_layers)], axis=1))
+            self._step_ids = {}
+            return (), ()
+        current = {int(e): int(counts[e]) for e in np.flatnonzero(counts)}
+        want = cache.prefetch_candidates(layer + 1, current, s.prefetch_experts)
+        if not want:
+            return (), ()
+        evicted = cache.prefetch(layer + 1, want)
+        loaded = tuple(e for e in want if e in set(cache.cached(layer + 1)))
+        nxt = self.tiers[layer + 1]
+        nxt[list(evicted)] = TIER_CODES["host"]
+        nxt[list(loaded)] = TIER_CODES["hi"]
+        st = self.stats
+        st.prefetched += len(want)
+        st.cache_evictions += len(evicted)
+        st.bytes_evicted += len(evicted) * s.bytes_hi
+        st.bytes_to_fast += len(loaded) * s.bytes_hi
+        st.swaps += len(loaded)
+        return loaded, tuple(evicted)
+
+    # ------------------------------------------------------------------ per step
+    @property
+    def wants_step_counts(self) -> bool:
+        """Whether :meth:`end_step` reads the step's routed counts (dynamic residency, replicas)."""
+        return self.dynamic is not None or self.settings.max_replicas > 0
+
+    def end_step(self, counts: np.ndarray | None, tokens: int) -> StepMoves:
+        """After a step: routed tokens per expert ``[L, E]`` over ``tokens`` tokens feed dynamic
+        residency and replica planning (``counts`` may be None unless :attr:`wants_step_counts`);
+        returns what changes from the next step on."""
+        s = self.settings
+        demotions: tuple = ()
+        promotions: tuple = ()
+        replanned = False
+        if self.wants_step_counts and counts is None:
+            raise ValueError("end_step needs the step's routed counts (dynamic residency or replicas)")
+        if self.dynamic is not None:
+            res = self.dynamic.update(counts, tokens)
+            if res is not None:
+                replanned = True
+                self.stats.replans += 1
+                demotions = tuple(m for layer_moves in res.demotions for m in layer_moves)
+                promotions = tuple(m for layer_moves in res.promotions for m in layer_moves)
+                # A demotion to lo builds a lo copy: a copy to the fast tier like a promotion.
+                to_fast = [m for m in demotions if m.dst != "host"] + list(promotions)
+                up, down = moves_bytes([*demotions, *promotions], self._bytes_of)
+                self.stats.bytes_to_fast += up
+                self.stats.bytes_evicted += down
+                self.stats.swaps += len(to_fast)
+                self.plan = res.plan
+                self.tiers = res.plan.tier_codes().astype(np.int8)
+        changes: list[ReplicaChange] = []
+        if s.max_replicas > 0 and counts is not None:
+            self._recent.append(np.asarray(counts))
+            self._recent_tokens += int(tokens)
+            if self._recent_tokens >= s.replica_window_tokens:
+                changes = self._replan_replicas(np.sum(self._recent, axis=0))
+                self._recent, self._recent_tokens = [], 0
+        moves = StepMoves(demotions, promotions, tuple(changes), replanned)
+        if self.log is not None:
+            self.log.end_step(moves)
+        return moves
+
+    def _replan_replicas(self, recent: np.ndarray) -> list[ReplicaChange]:
+        s = self.settings
+        if s.residency == "all":
+            spare = np.full(s.n_layers, s.budget_bytes)
+        else:
+            spare = np.maximum(0, np.asarray(self.plan.budgets_bytes) - self.plan.bytes_used())
+        wanted = plan_replicas(recent, s.replica_threshold, s.max_replicas, spare, s.bytes_hi)
+        changes = []
+        for layer in range(s.n_layers):
+            for e in range(s.n_experts):
+                n = wanted.get(layer, {}).get(e, 0)
+                if n != self.replicas[layer, e]:
+                    changes.append(ReplicaChange(layer, e, n))
+                    self.replicas[layer, e] = n
+                    self.stats.bytes_to_fast += n * s.bytes_hi
+        return changes
+
+    # ------------------------------------------------------------------ state
+    def resident_bytes(self) -> int:
+        """Fast-tier bytes the state holds: resident copies and replicas (the loaded weights when
+        they are the resident copies)."""
+        s = self.settings
+        total = sum(tier_bytes(int(c), s.bytes_hi, s.bytes_lo) for c in self.tiers.reshape(-1))
+        return int(total + self.replicas.sum() * s.bytes_hi)
+
+    def expert_table(self, hi: str, lo: str | None, host: str) -> dict[tuple[int, int], tuple[bool, str, int]]:
+        """(MoE layer index, expert) -> (resident, precision it runs in, replicas), given the
+        precision names of the tiers."""
+        names = {0: host, 1: lo or host, 2: hi}
+        return {(layer, e): (bool(self.tiers[layer, e]), names[int(self.tiers[layer, e])],
+                             int(self.replicas[layer, e]))
+                for layer in range(self.settings.n_layers) for e in range(self.settings.n_experts)}
