@@ -1,14 +1,38 @@
 """Hardware profiles: what the simulator knows of a machine, as a validated JSON file.
 
-A profile describes a host (CPU and memory), optionally one accelerator, the link between them and,
-for expert parallelism, the interconnect between accelerators. Two kinds exist:
+A profile describes a host (CPU and memory), optionally one accelerator, and the link between
+them. Two kinds exist:
 
-- measured: ``engine calibrate --out profile.json`` times this machine's own operations and stores
-  them as tables (seconds against tokens, batch and context) beside the fitted limits;
-  ``calibrated: true``;
-- datasheet: built-in profiles of machines that are not here (``builtin:rtx4090``, ``builtin:h100-pcie``,
-  ...), from vendors' published bandwidths and peak rates with assumed efficiencies;
-  ``calibrated: false``, and every result that uses one says so.
+- measured: ``engine calibrate --out profile.json`` times this machine's own operations with the
+  engine's kernels and stores them as tables (seconds against tokens, or against batch and context)
+  beside the fitted overheads; ``calibrated: true``, with the machine's fingerprint in ``measured``;
+- datasheet: built-in profiles of machines that are not here (``builtin:rtx4090``,
+  ``builtin:h100-pcie``, ...), from vendors' published bandwidths and peak rates with assumed
+  efficiencies; ``calibrated: false``, and every result that uses one says so.
+
+What a processor's fields mean (all seconds, bytes and FLOP/s; see :mod:`engine.sim.step` for how
+the pricer combines them):
+
+- ``mem_bytes``, ``mem_bw_bytes_per_s``, ``peak_flops`` per weight precision, ``bw_efficiency`` and
+  ``compute_efficiency``: the roofline used where no table covers an operation;
+- ``tables``: measured operations. A key names the operation, the weight precision and the compute
+  precision: ``expert:bf16@fp32`` (one expert's SwiGLU product on the per-expert path, against tokens),
+  ``expert_fused:int8@fp32`` (one expert inside one fused call for a whole layer), ``matmul:bf16@fp32``
+  (tokens times one dense weight), ``moe_fused_call@fp32`` and ``moe_grouped_call@fp32`` (a layer
+  call's fixed work against tokens or routed slots), ``attention_decode@fp32`` (a grid: decode batch by
+  mean KV length), ``attention_prefill@fp32`` (a grid: chunk tokens by context), ``quantize:int8``
+  (building one expert's copy in that precision). Each table carries the ``shape`` it was measured at;
+  the pricer scales it to other shapes by weight elements;
+- overheads: ``step_overhead_s`` (per step), ``token_overhead_s`` (per token of a step),
+  ``layer_overhead_s`` (per decoder layer: dispatch), ``moe_layer_overhead_s`` (extra per MoE layer
+  when the hybrid expert executor runs), ``part_overhead_s`` (per micro-batch), ``call_overhead_s``
+  (per kernel launch on the per-expert path, where no table has it);
+- ``cores`` and ``threads`` (the thread count the tables were measured with; 0 = every core),
+  ``thread_scaling`` (threads -> speed relative to ``threads``), ``sm_count`` and ``sm_scaling``
+  (share of SMs -> speed of expert products), ``copy_bytes_per_s`` (a copy within this memory);
+- ``native_max_tokens`` and ``fused_max_tokens_per_expert``: where the engine's CPU paths switch
+  (products of more tokens use the GEMM path; a layer's fused call takes at most this many routed
+  slots per expert on average); 0 where the processor has no native kernels.
 
 Every field is checked on load; a bad one is a one-line :class:`ProfileError` naming the file, the
 field and the value. Pure data: no torch here.
@@ -25,8 +49,7 @@ from typing import Any
 PROFILE_FORMAT = "moetune-profile"
 PROFILE_VERSION = 1
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
-#: Bytes per weight of each precision (int4: half a byte; group scales are counted by the cost model).
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
+COMPUTES = ("fp32", "bf16", "fp16")
 
 
 class ProfileError(ValueError):
@@ -41,9 +64,16 @@ def _num(where: str, value: Any, *, positive: bool = True, lo: float | None = No
         raise ProfileError(f"{where}={value!r}: must be > 0")
     if not positive and v < 0:
         raise ProfileError(f"{where}={value!r}: must be >= 0")
-    if lo is not None and v < lo or hi is not None and v > hi:
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ProfileError(f"{where}={value!r}: must be within [{lo}, {hi}]")
     return v
+
+
+def _int(where: str, value: Any, *, positive: bool = False) -> int:
+    v = _num(where, value, positive=positive)
+    if not v.is_integer():
+        raise ProfileError(f"{where}={value!r}: expected an integer")
+    return int(v)
 
 
 def _obj(where: str, value: Any) -> dict[str, Any]:
@@ -58,61 +88,134 @@ def _known(where: str, data: dict[str, Any], allowed: set[str]) -> None:
             raise ProfileError(f"{where}: unknown field '{k}' (value {data[k]!r}); known: {', '.join(sorted(allowed))}")
 
 
+def _axis(where: str, values: Any) -> tuple[float, ...]:
+    if not isinstance(values, list) or not values:
+        raise ProfileError(f"{where}={values!r}: expected a non-empty list of numbers")
+    out = tuple(_num(f"{where}[{i}]", v) for i, v in enumerate(values))
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise ProfileError(f"{where}={values!r}: must be strictly increasing")
+    return out
+
+
+def _interp_log(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Linear interpolation of log(y) against log(x); constant below the first point (a fixed cost
+    dominates there), the last segment's slope beyond the last."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = len(xs) - 2 if x >= xs[-1] else next(j for j in range(len(xs) - 1) if xs[j] <= x <= xs[j + 1])
+    x0, x1 = math.log(xs[i]), math.log(xs[i + 1])
+    y0, y1 = math.log(ys[i]), math.log(ys[i + 1])
+    return math.exp(y0 + (math.log(x) - x0) / (x1 - x0) * (y1 - y0))
+
+
+def _shape(where: str, data: Any) -> dict[str, int]:
+    return {str(k): _int(f"{where}.{k}", v, positive=True) for k, v in _obj(where, data).items()}
+
+
 @dataclass(frozen=True)
 class Table:
-    """Measured seconds at points ``x`` (tokens, batch, ...), interpolated linearly in log-log space and
-    extrapolated along the last segment's slope (a roofline takes over beyond that in the cost model)."""
+    """Measured seconds at points ``x`` (tokens, slots, ...), interpolated in log-log space."""
 
     x: tuple[float, ...]
     seconds: tuple[float, ...]
     shape: dict[str, int] = field(default_factory=dict)  # the operation's sizes at measurement
 
     def at(self, x: float) -> float:
-        xs, ys = self.x, self.seconds
-        if len(xs) == 1 or x <= xs[0]:
-            return ys[0]  # at and below the first point the fixed cost dominates
-        i = len(xs) - 2 if x >= xs[-1] else next(j for j in range(len(xs) - 1) if xs[j] <= x <= xs[j + 1])
-        x0, x1 = math.log(xs[i]), math.log(xs[i + 1])
-        y0, y1 = math.log(ys[i]), math.log(ys[i + 1])
-        return math.exp(y0 + (math.log(x) - x0) / (x1 - x0) * (y1 - y0))
+        return _interp_log(self.x, self.seconds, x)
 
     def to_dict(self) -> dict[str, Any]:
         return {"x": list(self.x), "seconds": list(self.seconds), "shape": dict(self.shape)}
 
     @classmethod
-    def parse(cls, where: str, data: Any) -> Table:
+    def parse(cls, where: str, data: Any) -> Table | Grid:
         d = _obj(where, data)
+        if "y" in d:
+            return Grid.parse(where, d)
         _known(where, d, {"x", "seconds", "shape"})
-        xs, ys = d.get("x"), d.get("seconds")
-        if not isinstance(xs, list) or not isinstance(ys, list) or not xs or len(xs) != len(ys):
-            raise ProfileError(f"{where}: 'x' and 'seconds' must be lists of the same non-zero length")
-        x = tuple(_num(f"{where}.x[{i}]", v) for i, v in enumerate(xs))
-        if any(b <= a for a, b in zip(x, x[1:], strict=False)):
-            raise ProfileError(f"{where}.x={xs!r}: must be strictly increasing")
+        x = _axis(f"{where}.x", d.get("x"))
+        ys = d.get("seconds")
+        if not isinstance(ys, list) or len(ys) != len(x):
+            raise ProfileError(f"{where}.seconds={ys!r}: expected a list as long as 'x' ({len(x)})")
         y = tuple(_num(f"{where}.seconds[{i}]", v) for i, v in enumerate(ys))
-        shape = {str(k): int(_num(f"{where}.shape.{k}", v)) for k, v in _obj(f"{where}.shape", d.get("shape", {})).items()}
-        return cls(x, y, shape)
+        return cls(x, y, _shape(f"{where}.shape", d.get("shape", {})))
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Measured seconds on a grid ``x`` by ``y`` (batch by KV length, chunk by context): bilinear in
+    log-log space, clamped below the first point of each axis and extrapolated beyond the last."""
+
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [len(x)][len(y)]
+    shape: dict[str, int] = field(default_factory=dict)
+
+    def at(self, x: float, y: float) -> float:
+        col = tuple(_interp_log(self.y, row, y) for row in self.seconds)  # along y for each x
+        return _interp_log(self.x, col, x)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"x": list(self.x), "y": list(self.y), "seconds": [list(r) for r in self.seconds],
+                "shape": dict(self.shape)}
+
+    @classmethod
+    def parse(cls, where: str, data: Any) -> Grid:
+        d = _obj(where, data)
+        _known(where, d, {"x", "y", "seconds", "shape"})
+        x, y = _axis(f"{where}.x", d.get("x")), _axis(f"{where}.y", d.get("y"))
+        rows = d.get("seconds")
+        if not isinstance(rows, list) or len(rows) != len(x) or not all(
+                isinstance(r, list) and len(r) == len(y) for r in rows):
+            raise ProfileError(f"{where}.seconds: expected {len(x)} lists of {len(y)} numbers (x by y)")
+        secs = tuple(tuple(_num(f"{where}.seconds[{i}][{j}]", v) for j, v in enumerate(r)) for i, r in enumerate(rows))
+        return cls(x, y, secs, _shape(f"{where}.shape", d.get("shape", {})))
+
+
+def _share_map(where: str, data: Any, *, lo: float, hi: float) -> dict[float, float]:
+    """``{"0.5": 0.61, ...}`` -> {0.5: 0.61}: a key in [lo, hi], a positive relative speed."""
+    out = {}
+    for k, v in _obj(where, data).items():
+        try:
+            key = float(k)
+        except ValueError:
+            raise ProfileError(f"{where}: key {k!r} is not a number") from None
+        if not lo <= key <= hi:
+            raise ProfileError(f"{where}: key {k!r} must be within [{lo:g}, {hi:g}]")
+        out[key] = _num(f"{where}.{k}", v)
+    return out
 
 
 @dataclass(frozen=True)
 class Processor:
-    """A host CPU or an accelerator: memory, bandwidth, peak rates and, where measured, tables."""
+    """A host CPU or an accelerator (see the module docstring for what each field means)."""
 
     name: str
     mem_bytes: float
     mem_bw_bytes_per_s: float
-    peak_flops: dict[str, float]  # per precision, all cores / SMs
-    bw_efficiency: float  # achieved share of the bandwidth on streaming products
-    compute_efficiency: float  # achieved share of the peak on large products
-    layer_overhead_s: float  # fixed cost of one decoder layer's dispatch (Python, kernel launches)
-    step_overhead_s: float  # fixed cost of one forward step (scheduling, sampling)
-    cores: int = 0  # host threads (0 on an accelerator)
-    sm_count: int = 0  # accelerator SMs (0 on a host)
-    thread_scaling: dict[str, float] = field(default_factory=dict)  # threads -> speed relative to all cores
-    tables: dict[str, Table] = field(default_factory=dict)  # "expert:bf16", "attention_decode", ...
+    peak_flops: dict[str, float]
+    bw_efficiency: float = 0.7
+    compute_efficiency: float = 0.5
+    step_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    moe_layer_overhead_s: float = 0.0
+    part_overhead_s: float = 0.0
+    call_overhead_s: float = 0.0
+    cores: int = 0
+    threads: int = 0
+    sm_count: int = 0
+    thread_scaling: dict[float, float] = field(default_factory=dict)
+    sm_scaling: dict[float, float] = field(default_factory=dict)
+    copy_bytes_per_s: float = 0.0  # 0: half the memory bandwidth (a copy reads and writes)
+    native_max_tokens: int = 0
+    fused_max_tokens_per_expert: int = 0
+    tables: dict[str, Table | Grid] = field(default_factory=dict)
 
-    KEYS = {"name", "mem_bytes", "mem_bw_bytes_per_s", "peak_flops", "bw_efficiency", "compute_efficiency",
-            "layer_overhead_s", "step_overhead_s", "cores", "sm_count", "thread_scaling", "tables"}
+    NUMBERS = ("bw_efficiency", "compute_efficiency", "step_overhead_s", "token_overhead_s", "layer_overhead_s",
+               "moe_layer_overhead_s", "part_overhead_s", "call_overhead_s", "copy_bytes_per_s")
+    INTS = ("cores", "threads", "sm_count", "native_max_tokens", "fused_max_tokens_per_expert")
+    KEYS = {"name", "mem_bytes", "mem_bw_bytes_per_s", "peak_flops", "thread_scaling", "sm_scaling", "tables",
+            *NUMBERS, *INTS}
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for products whose weights are ``precision`` (int4 weights use the int8 or bf16 rate)."""
@@ -121,13 +224,18 @@ class Processor:
                 return self.peak_flops[p]
         raise ProfileError(f"processor {self.name}: no peak_flops")
 
+    @property
+    def copy_bw(self) -> float:
+        return self.copy_bytes_per_s or self.mem_bw_bytes_per_s * self.bw_efficiency / 2
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "mem_bytes": self.mem_bytes, "mem_bw_bytes_per_s": self.mem_bw_bytes_per_s,
-                "peak_flops": dict(self.peak_flops), "bw_efficiency": self.bw_efficiency,
-                "compute_efficiency": self.compute_efficiency, "layer_overhead_s": self.layer_overhead_s,
-                "step_overhead_s": self.step_overhead_s, "cores": self.cores, "sm_count": self.sm_count,
-                "thread_scaling": dict(self.thread_scaling),
-                "tables": {k: t.to_dict() for k, t in sorted(self.tables.items())}}
+        out: dict[str, Any] = {"name": self.name, "mem_bytes": self.mem_bytes,
+                               "mem_bw_bytes_per_s": self.mem_bw_bytes_per_s, "peak_flops": dict(self.peak_flops)}
+        out.update({k: getattr(self, k) for k in (*self.NUMBERS, *self.INTS)})
+        out["thread_scaling"] = {f"{k:g}": v for k, v in sorted(self.thread_scaling.items())}
+        out["sm_scaling"] = {f"{k:g}": v for k, v in sorted(self.sm_scaling.items())}
+        out["tables"] = {k: t.to_dict() for k, t in sorted(self.tables.items())}
+        return out
 
     @classmethod
     def parse(cls, where: str, data: Any) -> Processor:
@@ -142,36 +250,41 @@ class Processor:
                 raise ProfileError(f"{where}.peak_flops: unknown precision '{p}' (known: {', '.join(PRECISIONS)})")
         if not peaks:
             raise ProfileError(f"{where}.peak_flops: needs at least one precision")
-        tables = {str(k): Table.parse(f"{where}.tables.{k}", v) for k, v in _obj(f"{where}.tables", d.get("tables", {})).items()}
-        scaling = {str(k): _num(f"{where}.thread_scaling.{k}", v)
-                   for k, v in _obj(f"{where}.thread_scaling", d.get("thread_scaling", {})).items()}
-        return cls(
-            name=str(d["name"]), mem_bytes=_num(f"{where}.mem_bytes", d["mem_bytes"]),
-            mem_bw_bytes_per_s=_num(f"{where}.mem_bw_bytes_per_s", d["mem_bw_bytes_per_s"]),
-            peak_flops={p: _num(f"{where}.peak_flops.{p}", v) for p, v in peaks.items()},
-            bw_efficiency=_num(f"{where}.bw_efficiency", d.get("bw_efficiency", 0.7), lo=0.01, hi=1.0),
-            compute_efficiency=_num(f"{where}.compute_efficiency", d.get("compute_efficiency", 0.5), lo=0.01, hi=1.0),
-            layer_overhead_s=_num(f"{where}.layer_overhead_s", d.get("layer_overhead_s", 0.0), positive=False),
-            step_overhead_s=_num(f"{where}.step_overhead_s", d.get("step_overhead_s", 0.0), positive=False),
-            cores=int(_num(f"{where}.cores", d.get("cores", 0), positive=False)),
-            sm_count=int(_num(f"{where}.sm_count", d.get("sm_count", 0), positive=False)),
-            thread_scaling=scaling, tables=tables)
+        tables = {str(k): Table.parse(f"{where}.tables.{k}", v)
+                  for k, v in _obj(f"{where}.tables", d.get("tables", {})).items()}
+        nums: dict[str, Any] = {}
+        for k in cls.NUMBERS:
+            if k in d:
+                eff = k.endswith("efficiency")
+                nums[k] = _num(f"{where}.{k}", d[k], positive=eff, lo=0.01 if eff else None, hi=1.0 if eff else None)
+        for k in cls.INTS:
+            if k in d:
+                nums[k] = _int(f"{where}.{k}", d[k])
+        cores = nums.get("cores", 0)
+        scaling = _share_map(f"{where}.thread_scaling", d.get("thread_scaling", {}), lo=1, hi=max(cores, 1))
+        sms = _share_map(f"{where}.sm_scaling", d.get("sm_scaling", {}), lo=0.0, hi=1.0)
+        return cls(name=str(d["name"]), mem_bytes=_num(f"{where}.mem_bytes", d["mem_bytes"]),
+                   mem_bw_bytes_per_s=_num(f"{where}.mem_bw_bytes_per_s", d["mem_bw_bytes_per_s"]),
+                   peak_flops={p: _num(f"{where}.peak_flops.{p}", v) for p, v in peaks.items()},
+                   thread_scaling=scaling, sm_scaling=sms, tables=tables, **nums)
 
 
 @dataclass(frozen=True)
 class Link:
-    """Host <-> accelerator copies: bandwidth per direction, pinned or pageable, a latency per copy, and
-    how many copy engines run beside compute (1+ means copies overlap kernels)."""
+    """Host <-> accelerator copies: bandwidth per direction, pinned or pageable, a latency per copy, how
+    many copy engines run beside compute, and ``overlap``: the share of a copy's time that hides behind
+    kernels running at the same time (1: copy engines and SMs do not slow each other)."""
 
     h2d_pinned_bytes_per_s: float
     h2d_pageable_bytes_per_s: float
     d2h_pinned_bytes_per_s: float
     d2h_pageable_bytes_per_s: float
-    latency_s: float
-    copy_engines: int
+    latency_s: float = 1e-5
+    copy_engines: int = 1
+    overlap: float = 1.0
 
     KEYS = {"h2d_pinned_bytes_per_s", "h2d_pageable_bytes_per_s", "d2h_pinned_bytes_per_s",
-            "d2h_pageable_bytes_per_s", "latency_s", "copy_engines"}
+            "d2h_pageable_bytes_per_s", "latency_s", "copy_engines", "overlap"}
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in sorted(self.KEYS)}
@@ -188,13 +301,14 @@ class Link:
         return cls(h2d, _num(f"{where}.h2d_pageable_bytes_per_s", d.get("h2d_pageable_bytes_per_s", h2d / 2)),
                    d2h, _num(f"{where}.d2h_pageable_bytes_per_s", d.get("d2h_pageable_bytes_per_s", d2h / 2)),
                    _num(f"{where}.latency_s", d.get("latency_s", 1e-5), positive=False),
-                   int(_num(f"{where}.copy_engines", d.get("copy_engines", 1), positive=False)))
+                   _int(f"{where}.copy_engines", d.get("copy_engines", 1), positive=True),
+                   _num(f"{where}.overlap", d.get("overlap", 1.0), positive=False, lo=0.0, hi=1.0))
 
 
 @dataclass(frozen=True)
 class Interconnect:
-    """Accelerator <-> accelerator traffic for expert parallelism: NVLink-style direct, or PCIe through
-    host memory (consumer GPUs: each transfer crosses the link twice)."""
+    """Accelerator <-> accelerator traffic: NVLink-style direct, or PCIe (through host memory on
+    consumer GPUs). Recorded for multi-device profiles; the engine runs one device, so nothing prices it yet."""
 
     kind: str  # "nvlink" | "pcie-p2p" | "pcie-host"
     bytes_per_s: float
@@ -227,22 +341,50 @@ class Profile:
     link: Link | None = None
     interconnect: Interconnect | None = None
     devices: int = 1
+    measured: dict[str, Any] = field(default_factory=dict)
+    """For a calibrated profile: the machine's fingerprint, CPU, GPU, software and date of measurement."""
 
-    KEYS = {"format", "version", "name", "calibrated", "source", "host", "device", "link", "interconnect", "devices"}
+    KEYS = {"format", "version", "name", "calibrated", "source", "host", "device", "link", "interconnect", "devices",
+            "measured"}
+
+    @property
+    def fast(self) -> Processor:
+        """The processor of the fast tier: the accelerator, or the host on a host-only profile."""
+        return self.device or self.host
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": self.name,
-                "calibrated": self.calibrated, "source": self.source, "host": self.host.to_dict(),
-                "device": self.device.to_dict() if self.device else None,
+                "calibrated": self.calibrated, "source": self.source, "measured": dict(self.measured),
+                "host": self.host.to_dict(), "device": self.device.to_dict() if self.device else None,
                 "link": self.link.to_dict() if self.link else None,
                 "interconnect": self.interconnect.to_dict() if self.interconnect else None,
                 "devices": self.devices}
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(p)
+        return p
 
     def describe(self) -> dict[str, Any]:
         """What a result records of the profile it was priced with."""
         return {"name": self.name, "calibrated": self.calibrated, "source": self.source,
                 "host": self.host.name, "device": self.device.name if self.device else None,
-                "devices": self.devices}
+                "devices": self.devices, "hardware_fingerprint": self.measured.get("hardware_fingerprint")}
+
+    def hardware(self) -> dict[str, Any]:
+        """The machine the profile describes, in the form of :func:`engine.hwinfo.hardware` (the tuner's
+        search space and the study record read it)."""
+        dev = self.device
+        hw: dict[str, Any] = {
+            "cpu_model": self.host.name, "cpu_cores": self.host.cores, "mem_total_bytes": int(self.host.mem_bytes),
+            "gpu": None if dev is None else {"name": dev.name, "count": self.devices,
+                                             "mem_total_bytes": int(dev.mem_bytes), "sm_count": dev.sm_count},
+            "profile": self.describe(),
+        }
+        hw["fingerprint"] = self.measured.get("hardware_fingerprint") or f"profile:{self.name}"
+        return hw
 
     @classmethod
     def parse(cls, data: Any, source: str = "profile") -> Profile:
@@ -262,11 +404,14 @@ class Profile:
         if device is not None and link is None:
             raise ProfileError(f"{source}: field 'link' is needed with a device (host <-> device copies)")
         inter = Interconnect.parse(f"{source}: interconnect", d["interconnect"]) if d.get("interconnect") else None
-        n = int(_num(f"{source}: devices", d.get("devices", 1)))
+        n = _int(f"{source}: devices", d.get("devices", 1), positive=True)
         if n > 1 and inter is None:
             raise ProfileError(f"{source}: field 'devices'={n} needs an 'interconnect'")
+        if n > 1 and device is None:
+            raise ProfileError(f"{source}: field 'devices'={n} needs a 'device'")
+        measured = _obj(f"{source}: measured", d.get("measured") or {})
         return cls(str(d.get("name") or "unnamed"), d["calibrated"], str(d.get("source", "")),
-                   Processor.parse(f"{source}: host", d["host"]), device, link, inter, n)
+                   Processor.parse(f"{source}: host", d["host"]), device, link, inter, n, dict(measured))
 
 
 def load_profile(ref: str | Path) -> Profile:
@@ -278,7 +423,9 @@ def load_profile(ref: str | Path) -> Profile:
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ProfileError(f"{p}: no such profile file (or use builtin:<name>: {', '.join(sorted(BUILTIN))})") from None
+        raise ProfileError(f"{p}: no such profile file (or use builtin:<name>: {', '.join(BUILTIN)})") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{p}: is a directory, not a profile file") from None
     except json.JSONDecodeError as e:
         raise ProfileError(f"{p}: not valid JSON (line {e.lineno}: {e.msg})") from None
     return Profile.parse(data, str(p))
@@ -315,10 +462,10 @@ _GPUS: dict[str, dict[str, Any]] = {
 # PCIe x16 per direction (theoretical 32 / 64 GB/s; pinned copies reach ~80 % of it).
 _LINKS = {"pcie4": dict(h2d_pinned_bytes_per_s=25 * GB, h2d_pageable_bytes_per_s=12 * GB,
                         d2h_pinned_bytes_per_s=25 * GB, d2h_pageable_bytes_per_s=10 * GB, latency_s=1e-5,
-                        copy_engines=2),
+                        copy_engines=2, overlap=1.0),
           "pcie5": dict(h2d_pinned_bytes_per_s=50 * GB, h2d_pageable_bytes_per_s=20 * GB,
                         d2h_pinned_bytes_per_s=50 * GB, d2h_pageable_bytes_per_s=18 * GB, latency_s=1e-5,
-                        copy_engines=2)}
+                        copy_engines=2, overlap=1.0)}
 _INTERCONNECTS = {"nvlink4": dict(kind="nvlink", bytes_per_s=450 * GB, latency_s=3e-6),
                   "nvlink3": dict(kind="nvlink", bytes_per_s=300 * GB, latency_s=3e-6),
                   "pcie4": dict(kind="pcie-host", bytes_per_s=25 * GB, latency_s=1.5e-5),
@@ -329,7 +476,7 @@ _HOSTS: dict[str, dict[str, Any]] = {
     "spr": dict(name="Xeon Sapphire Rapids 56-core socket, 8x DDR5-4800 (AMX)", cores=56, mem_bytes=512 * GB,
                 mem_bw_bytes_per_s=307 * GB, peak_flops={"fp32": 56 * 64 * 2.0e9, "bf16": 56 * 1024 * 2.0e9,
                                                          "int8": 56 * 2048 * 2.0e9}),
-    "zen4-desktop": dict(name="Ryzen 9 7950X 16-core, 2x DDR5-6000", cores=16, mem_bytes=64 * GB,
+    "zen4-desktop": dict(name="Ryzen 9 7950X 16-core, 2x DDR5-6000, 64 GB", cores=16, mem_bytes=64 * GB,
                          mem_bw_bytes_per_s=96 * GB, peak_flops={"fp32": 16 * 32 * 4.5e9, "bf16": 16 * 64 * 4.5e9,
                                                                  "int8": 16 * 128 * 4.5e9}),
     "epyc-genoa": dict(name="EPYC Genoa 96-core socket, 12x DDR5-4800", cores=96, mem_bytes=768 * GB,
@@ -339,27 +486,30 @@ _HOSTS: dict[str, dict[str, Any]] = {
 _PAIRS = {"h100-pcie": "spr", "h100-sxm": "spr", "h200": "spr", "a100-80gb": "epyc-genoa", "l40s": "epyc-genoa",
           "rtx4090": "zen4-desktop", "rtx5090": "zen4-desktop"}
 # Assumed until calibrated: GPUs reach ~80 % of HBM bandwidth on streaming GEMVs and ~60 % of the tensor
-# peak on large GEMMs; launching a decoder layer's kernels costs ~40 us from Python, a step ~1 ms.
-_GPU_EFF = dict(bw_efficiency=0.8, compute_efficiency=0.6, layer_overhead_s=40e-6, step_overhead_s=1e-3)
-_HOST_EFF = dict(bw_efficiency=0.6, compute_efficiency=0.3, layer_overhead_s=60e-6, step_overhead_s=1e-3)
+# peak on large GEMMs; launching a kernel costs ~5 us, a decoder layer's dispatch from Python ~40 us, a
+# step ~1 ms. Hosts: ~60 % of DRAM bandwidth, ~30 % of peak; ~60 us per layer of Python dispatch.
+_GPU_EFF = dict(bw_efficiency=0.8, compute_efficiency=0.6, layer_overhead_s=40e-6, step_overhead_s=1e-3,
+                call_overhead_s=5e-6, part_overhead_s=20e-6, moe_layer_overhead_s=30e-6)
+_HOST_EFF = dict(bw_efficiency=0.6, compute_efficiency=0.3, layer_overhead_s=60e-6, step_overhead_s=1e-3,
+                 call_overhead_s=5e-6, part_overhead_s=20e-6, moe_layer_overhead_s=30e-6,
+                 native_max_tokens=32, fused_max_tokens_per_expert=32)  # the engine's kernels build there
 
 
 def _host(key: str) -> dict[str, Any]:
-    h = dict(_HOSTS[key])
-    return {**h, **_HOST_EFF}
+    return {**_HOSTS[key], **_HOST_EFF}
 
 
 def builtin_profile(name: str) -> Profile:
-    """``rtx4090`` (paired with its usual host), ``h100-pcie+spr`` (an explicit pair), ``h100-sxm x4``-style
-    counts as ``h100-sxm*4``, or a host alone (``spr``)."""
+    """``rtx4090`` (paired with its usual host), ``h100-pcie+spr`` (an explicit pair), ``h100-sxm*4``
+    (a device count), or a host alone (``spr``)."""
     base, _, count = name.partition("*")
     gpu, _, host = base.partition("+")
-    if gpu in _HOSTS and not host:
+    if gpu in _HOSTS and not host and not count:
         data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": gpu, "calibrated": False,
                 "source": "datasheet", "host": _host(gpu)}
         return Profile.parse(data, f"builtin:{name}")
     if gpu not in _GPUS:
-        raise ProfileError(f"builtin:{name}: unknown profile (known: {', '.join(sorted(BUILTIN))}, or "
+        raise ProfileError(f"builtin:{name}: unknown profile (known: {', '.join(BUILTIN)}, or "
                            f"<gpu>+<host> with hosts {', '.join(sorted(_HOSTS))}, and <gpu>*<count>)")
     host = host or _PAIRS[gpu]
     if host not in _HOSTS:

@@ -16,22 +16,26 @@ Pure and deterministic (numpy and the standard library).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
 from engine.moe.policy.batching import step_slices
 from engine.moe.policy.execution import CostModel
 from engine.moe.policy.plan import (
+    WHERE,
     DecisionLog,
     LayerDecision,
     PartPlan,
     ReplicaChange,
     StepMoves,
     TierStats,
+    counts_by_layer,
     counts_of,
     moves_bytes,
-    plan_runs,
+    plan_run_arrays,
     tier_bytes,
 )
 from engine.moe.policy.replication import plan_replicas
@@ -43,6 +47,8 @@ from engine.moe.policy.residency import (
     layer_budgets,
     plan_static,
 )
+
+_FETCH = WHERE.index("fetch")
 
 SWAP_SHARE_DEFAULT = 8
 """With ``dynamic_max_swaps == 0``, a re-plan makes at most one exchange per this many experts of a
@@ -91,6 +97,34 @@ class PlanSettings:
     @property
     def max_swaps_per_replan(self) -> int:
         return self.dynamic_max_swaps or max(1, self.n_experts // SWAP_SHARE_DEFAULT)
+
+
+class TrivialStep(Sequence[LayerDecision]):
+    """The trivial decisions of every MoE layer of one step (every routed expert resident, one
+    micro-batch), each built when read: ``counts`` ``[L, E]`` over ``n_tokens`` tokens."""
+
+    trivial = True
+
+    def __init__(self, counts: np.ndarray, n_tokens: int) -> None:
+        self.counts = counts
+        self.n_tokens = n_tokens
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> LayerDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LayerDecision]: ...
+
+    def __getitem__(self, i: int | slice) -> LayerDecision | list[LayerDecision]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        li = i % len(self)
+        return LayerDecision(li, self.counts[li], self.n_tokens)
 
 
 class ResidencyController:
@@ -144,12 +178,14 @@ class ResidencyController:
             log.initial(self.plan.hi, self.plan.lo)
 
     # ------------------------------------------------------------------ per layer
-    def plan_layer(self, layer: int, ids: np.ndarray) -> LayerDecision:
+    def plan_layer(self, layer: int, ids: np.ndarray, counts: np.ndarray | None = None) -> LayerDecision:
         """The decision of MoE layer ``layer`` (0-based among MoE layers) for a step whose routed
-        expert ids are ``ids`` ``[T, K]`` (-1 = skipped slot)."""
+        expert ids are ``ids`` ``[T, K]`` (-1 = skipped slot); ``counts``: their tokens per expert,
+        when already counted."""
         s = self.settings
         t = int(ids.shape[0])
-        counts = counts_of(ids, s.n_experts)
+        if counts is None:
+            counts = counts_of(ids, s.n_experts)
         if s.trivial:
             self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
             decision = LayerDecision(layer, counts, t)
@@ -164,6 +200,20 @@ class ResidencyController:
         if self.log is not None:
             self.log.layer(decision)
         return decision
+
+    def plan_step(self, ids: np.ndarray) -> tuple[Sequence[LayerDecision], np.ndarray]:
+        """The decisions of every MoE layer of a step whose routed ids are ``ids`` ``[T, L, K]``, in
+        layer order (what :meth:`plan_layer` decides for each), and the step's routed counts ``[L, E]``.
+        Trivial plans come as a :class:`TrivialStep` that builds each decision when read."""
+        counts = counts_by_layer(ids, self.settings.n_experts)
+        if self.settings.trivial:
+            self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
+            decisions = TrivialStep(counts, int(ids.shape[0]))
+            if self.log is not None:
+                for d in decisions:
+                    self.log.layer(d)
+            return decisions, counts
+        return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:
@@ -186,10 +236,10 @@ class ResidencyController:
             st.cache_evictions += len(access.evictions)
             st.bytes_evicted += len(access.evictions) * s.bytes_hi
             st.bytes_to_fast += len(admitted) * s.bytes_hi
-        runs = plan_runs(counts, self.tiers[layer], self.replicas[layer], s.missing, self.cost, s.bytes_host)
-        self.stats.count_runs(runs)
-        self.stats.bytes_to_fast += sum(s.bytes_hi for r in runs if r.where == "fetch")
-        return PartPlan(start, stop, runs, access, admitted)
+        arrays = plan_run_arrays(counts, self.tiers[layer], self.replicas[layer], s.missing, self.cost, s.bytes_host)
+        self.stats.count_arrays(arrays)
+        self.stats.bytes_to_fast += s.bytes_hi * int(np.count_nonzero(arrays.where == _FETCH))
+        return PartPlan(start, stop, None, access, admitted, arrays)
 
     def _prefetch_next(self, layer: int, ids: np.ndarray, counts: np.ndarray) -> tuple[tuple[int, ...],
                                                                                      tuple[int, ...]]:
