@@ -132,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     if getattr(args, "config", None):
         _warn_if_tuned_elsewhere(args.config, args.model)
-    backend = make_backend(args.model, cfg, kind=args.backend)
+    backend = make_backend(args.model, cfg, kind=args.backend, **_backend_options(args))
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
@@ -142,8 +142,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                               max_requests=args.max_requests, on_step=on_step, decisions=bool(args.decisions))
     s = result.summary()
     meta = result.meta
-    ran = f"{meta['compute_dtype']} on {meta['device']}" if meta["backend"] == "live" else \
-        f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
+    if meta["backend"] == "live":
+        ran = f"{meta['compute_dtype']} on {meta['device']}"
+    elif meta["backend"] == "sim":
+        prof = meta["profile"]
+        ran = (f"simulated on profile {prof['name']} ({'calibrated' if prof['calibrated'] else 'calibrated: false'}), "
+               f"{meta['compute_dtype']} on {meta['device']}, virtual clock")
+    else:
+        ran = f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
     print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
           f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
     rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
@@ -169,6 +175,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(full))
     return 0
+
+
+def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``make_backend`` takes besides the model and config, from ``--profile`` and the synthetic
+    routing flags (the sim backend's; refused with another backend)."""
+    kind = getattr(args, "backend", "live")
+    profile = getattr(args, "profile", None)
+    routing_given = any(getattr(args, f, None) is not None for f in ("router_skew", "router_drift"))
+    if kind != "sim":
+        if profile is not None or routing_given:
+            raise ConfigError(f"--profile/--router-skew/--router-drift price or route a simulated run; "
+                              f"they need --backend sim (got --backend {kind})")
+        return {}
+    if profile is None:
+        raise ConfigError("--backend sim needs --profile FILE (from `engine calibrate`) or builtin:<name>")
+    from engine.sim.profile import load_profile
+    from engine.sim.routes import SyntheticRouting
+
+    defaults = SyntheticRouting()
+    routing = SyntheticRouting(skew=defaults.skew if args.router_skew is None else args.router_skew,
+                               drift=defaults.drift if args.router_drift is None else args.router_drift)
+    return {"profile": load_profile(profile), "routing": routing}
+
+
+def sim_args(sp: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--profile`` and the synthetic routing flags of a command that runs a workload."""
+    from engine.sim.profile import BUILTIN
+    from engine.sim.routes import SyntheticRouting
+
+    d = SyntheticRouting()
+    sp.add_argument("--backend", choices=BACKENDS, default="live",
+                    help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
+                         "router trace, with no tensors (steps take 0 s); sim: the stub's plans priced by --profile "
+                         "on a virtual clock (--model may be shape:<name> or a directory holding only config.json)")
+    sp.add_argument("--profile", help="sim: a profile file from `engine calibrate`, or builtin:<name> "
+                    f"(datasheet, uncalibrated: {', '.join(BUILTIN)}; <gpu>+<host> pairs them)")
+    sp.add_argument("--router-skew", type=float, default=None,
+                    help=f"sim without a router trace: Zipf exponent of synthetic expert popularity "
+                         f"(default {d.skew:g})")
+    sp.add_argument("--router-drift", type=float, default=None,
+                    help=f"sim without a router trace: share of each layer's experts whose popularity moves per "
+                         f"{d.drift_window_tokens} tokens (default {d.drift:g})")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -331,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_make_model)
 
     def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
+        sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset> (sim: also shape:<name>, or a directory holding only config.json)")
         sp.add_argument("--config", help="engine config JSON (or a `tuner export` file)")
         sp.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
         add_cli_args(sp)
@@ -352,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decisions", metavar="OUT.jsonl",
                    help="write the expert plan of every step and MoE layer here, one JSON object a line "
                         "(also the result's 'decisions' field)")
-    r.add_argument("--backend", choices=BACKENDS, default="live",
-                   help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
-                        "router trace, with no tensors (prices nothing: steps take 0 s)")
+    sim_args(r)
     r.add_argument("--quiet", action="store_true")
     model_args(r)
     r.set_defaults(fn=cmd_run)
