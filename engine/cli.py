@@ -219,6 +219,36 @@ def sim_args(sp: argparse.ArgumentParser) -> None:
                          f"{d.drift_window_tokens} tokens (default {d.drift:g})")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.sim.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    steps = [0]
+
+    def progress(msg: str) -> None:
+        steps[0] += 1
+        print(f"calibrate [{steps[0]:2d}] {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    prof = calibrate(progress, model=args.model, name=args.name)
+    prof.save(args.out)
+    h = prof.host
+    rows = [{"what": k, "value": v} for k, v in (
+        ("host", h.name), ("memory bandwidth GB/s", f"{h.mem_bw_bytes_per_s / 1e9:.1f}"),
+        ("fp32 GEMM GFLOP/s", f"{h.peak_flops['fp32'] / 1e9:.1f}"),
+        ("threads", h.threads), ("auto compute dtype", prof.measured.get("auto_compute_dtype")),
+        ("layer overhead us", f"{h.layer_overhead_s * 1e6:.1f}"), ("token overhead us", f"{h.token_overhead_s * 1e6:.1f}"),
+        ("hybrid MoE layer overhead us", f"{h.moe_layer_overhead_s * 1e6:.1f}"),
+        ("device", prof.device.name if prof.device else "none (host-only profile)"),
+        ("tables", len(h.tables)), ("seconds", prof.measured.get("seconds")))]
+    print(_table(rows, ["what", "value"]))
+    print(f"wrote {args.out} (calibrated: true)")
+    if args.json:
+        print(json.dumps({"out": args.out, "profile": prof.describe(), "measured": prof.measured}))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -464,6 +494,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="niceness of the replay client's thread (a remote client would take none of this CPU)")
     model_args(bs)
     bs.set_defaults(fn=cmd_bench_serve)
+
+    cal = sub.add_parser("calibrate", help="measure this machine into a simulator profile (a few minutes)")
+    cal.add_argument("--out", required=True, help="the profile JSON to write")
+    cal.add_argument("--model", default="builtin:qwen3_moe-small",
+                     help="the model whose live runs fit the engine's fixed costs")
+    cal.add_argument("--name", help="the profile's name (default: calibrated-<hardware fingerprint>)")
+    cal.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    cal.set_defaults(fn=cmd_calibrate)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")
