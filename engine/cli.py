@@ -249,6 +249,55 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate_sim(args: argparse.Namespace) -> int:
+    import os
+    import time
+
+    from engine.sim.profile import load_profile
+    from engine.sim.validate import METRICS, validate
+    from workloads.schema import load_workload
+
+    prof = load_profile(args.profile)
+    workload = load_workload(args.workload)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"validate-sim {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    load_before = os.getloadavg()
+    res = validate(args.model, workload, prof, args.configs, seed=args.seed, mode=args.mode,
+                   max_requests=args.max_requests or None, progress=progress)
+    res["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    print(f"model {args.model}; workload {workload.name} ({args.mode}, {args.max_requests or 'all'} requests); "
+          f"profile {prof.name} (calibrated: {str(prof.calibrated).lower()}); {res['configs']} configs; "
+          f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    short = {"output_tokens_per_s": "tok/s", "tpot_ms_p99": "p99 TPOT ms", "ttft_ms_p99": "p99 TTFT ms",
+             "tpot_ms_p50": "p50 TPOT ms"}
+    rows = []
+    for i, r in enumerate(res["rows"]):
+        row: dict[str, Any] = {"#": i + 1}
+        for m in METRICS[:3]:
+            row[f"{short[m]} live"] = r["live"][m]
+            row[f"{short[m]} sim"] = r["sim"][m]
+            row[f"{short[m]} err"] = None if r["error"][m] is None else f"{100 * r['error'][m]:+.0f}%"
+        rows.append(row)
+    cols = ["#"] + [f"{short[m]} {w}" for m in METRICS[:3] for w in ("live", "sim", "err")]
+    print(_table(rows, cols, {c: ".1f" for c in cols if c.endswith(("live", "sim"))}))
+    summ = [{"metric": short[m], "median |error|": None if v["median_abs_error"] is None
+             else f"{100 * v['median_abs_error']:.1f}%",
+             "target": None if v["target"] is None else f"<= {100 * v['target']:.0f}%",
+             "met": v["met"]} for m, v in ((m, res["summary"][m]) for m in METRICS)]
+    sp = res["summary"]["spearman_output_tokens_per_s"]
+    summ.append({"metric": "Spearman rho (tok/s ranks)", "median |error|": None if sp["rho"] is None
+                 else f"{sp['rho']:.2f}", "target": f">= {sp['target']}", "met": sp["met"]})
+    print(_table(summ, ["metric", "median |error|", "target", "met"]))
+    for i, r in enumerate(res["rows"]):
+        print(f"  #{i + 1}: {r['config'] or 'defaults'}")
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -502,6 +551,18 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--name", help="the profile's name (default: calibrated-<hardware fingerprint>)")
     cal.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     cal.set_defaults(fn=cmd_calibrate)
+
+    vs = sub.add_parser("validate-sim", help="run N configs from the tuner's space live and simulated: error per "
+                        "metric and rank correlation")
+    vs.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
+    vs.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    vs.add_argument("--profile", required=True, help="profile file (`engine calibrate`) or builtin:<name>")
+    vs.add_argument("--configs", type=int, default=8, help="configs to draw from the tuner's search space")
+    vs.add_argument("--seed", type=int, default=0, help="seed of the random draws")
+    vs.add_argument("--mode", choices=["realtime", "offline"], default="offline")
+    vs.add_argument("--max-requests", type=int, default=24, help="replay the first N requests (0 = all)")
+    vs.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    vs.set_defaults(fn=cmd_validate_sim)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")
