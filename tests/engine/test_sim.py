@@ -19,7 +19,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.model.shapes import shape_config, shape_names
 from engine.runner import run_workload
 from engine.sim.profile import BUILTIN, ProfileError, builtin_profile, load_profile
-from engine.sim.routes import RoutingShape, SyntheticRouting, SyntheticRoutes
+from engine.sim.routes import RoutingShape, SyntheticRoutes, SyntheticRouting
 from engine.sim.validate import spearman
 from workloads import Request, Workload
 
