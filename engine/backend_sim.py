@@ -131,7 +131,11 @@ class SimBackend(StubBackend):
         starts = [self._cursor.get(k, 0) for k in keys]
         for k, at, n in zip(keys, starts, counts, strict=True):
             self._cursor[k] = at + n
-        ids, gates = self.routes.rows_many(keys, starts, counts)
+        rt = self._config.routing
+        pruned = rt.min_gate_weight > 0 or 0 < rt.top_k_override < self._spec.top_k
+        ids, gates = self.routes.rows_many(keys, starts, counts, gates=pruned or self._routes is not None)
+        if gates is None:  # read by nothing this step (no routing pruning, no recorded routes)
+            return ids, None  # type: ignore[return-value]
         if self._routes is not None:
             for k, (_key, first, n) in zip(keys, owners, strict=True):
                 self._routes.setdefault(k, []).append((ids[first: first + n], gates[first: first + n]))

@@ -94,6 +94,7 @@ class SyntheticRoutes:
         self._reset()
 
     def _reset(self) -> None:
+        self._win_cache: dict[int, np.ndarray] = {}
         n_moe, e = len(self.shape.moe_layers), self.shape.n_experts
         self._rng = np.random.default_rng([self.routing.seed, 7])
         self._perms = [np.tile(np.arange(e, dtype=np.int16), (n_moe, 1))]  # window -> [L, E] expert labels
@@ -143,8 +144,10 @@ class SyntheticRoutes:
         """Expert ids and gate weights ``[n, MoE layers, K]`` of tokens ``start..start+n`` of request ``key``."""
         return self.rows_many([key], [start], [n])
 
-    def rows_many(self, keys: list[str], starts: list[int], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`rows` of several requests at once, concatenated in the order given."""
+    def rows_many(self, keys: list[str], starts: list[int], counts: list[int],
+                  gates: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`rows` of several requests at once, concatenated in the order given (``gates=False``:
+        the expert ids alone, gate weights None: what a step without routing pruning reads)."""
         n = np.asarray(counts, dtype=np.int64)
         total = int(n.sum())
         owner = np.repeat(np.arange(len(keys)), n)
@@ -152,22 +155,34 @@ class SyntheticRoutes:
         pos = np.arange(total, dtype=np.int64) - first[owner] + np.asarray(starts, dtype=np.int64)[owner]
         salt = np.asarray([self._salt[k] for k in keys], dtype=np.uint64)[owner]
         rows = ((pos.astype(np.uint64) * np.uint64(_HASH_MUL) + salt) % np.uint64(self.n_pool)).astype(np.int64)
-        ids = self.pool_ids[rows]  # [N, L, K]
-        gates = self.pool_gates[rows]
+        gate_rows = self.pool_gates[rows] if gates else None
         r = self.routing
-        if r.drift > 0 and total:
-            t = np.asarray([self._base[k] for k in keys], dtype=np.int64)[owner] + pos
-            win = t // r.drift_window_tokens
-            w0, w1 = int(win.min()), int(win.max())
-            perms = self._perms_to(w1)
+        if r.drift <= 0 or not total:
+            return self.pool_ids[rows], gate_rows  # [N, L, K]
+        t = np.asarray([self._base[k] for k in keys], dtype=np.int64)[owner] + pos
+        win = t // r.drift_window_tokens
+        w0, w1 = int(win.min()), int(win.max())
+        if w0 == w1:  # one window (the usual case): the pool with that window's labels, mapped once
+            return self._window_pool(w0)[rows], gate_rows
+        perms = self._perms_to(w1)
+        n_layers, e = perms.shape[1], perms.shape[2]
+        flat = perms.reshape(-1)
+        ids = flat[self.pool_ids[rows] + (win * (n_layers * e))[:, None, None] + self._layer_offsets(n_layers, e)]
+        return ids, gate_rows
+
+    def _window_pool(self, window: int) -> np.ndarray:
+        """The pool's expert ids ``[P, L, K]`` relabelled by window ``window``'s permutations (cached: the
+        last few windows are what the running requests are in)."""
+        cache = self.__dict__.setdefault("_win_cache", {})
+        got = cache.get(window)
+        if got is None:
+            perms = self._perms_to(window)
             n_layers, e = perms.shape[1], perms.shape[2]
-            if w0 == w1:  # one window (the usual case): its [L, E] labels, flat
-                flat = perms[w0].reshape(-1)
-                ids = flat[ids + self._layer_offsets(n_layers, e)]
-            else:
-                flat = perms.reshape(-1)
-                ids = flat[ids + (win * (n_layers * e))[:, None, None] + self._layer_offsets(n_layers, e)]
-        return ids, gates
+            got = perms[window].reshape(-1)[self.pool_ids + self._layer_offsets(n_layers, e)]
+            if len(cache) >= 8:
+                cache.pop(min(cache))
+            cache[window] = got
+        return got
 
     def _layer_offsets(self, n_layers: int, n_experts: int) -> np.ndarray:
         if getattr(self, "_offsets", None) is None or self._offsets.shape[1] != n_layers:

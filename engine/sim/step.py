@@ -53,7 +53,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.model.arch import ModelSpec
-from engine.moe.policy.controller import PlanSettings
+from engine.moe.policy.controller import PlanSettings, StepPlan
 from engine.moe.policy.execution import CostModel
 from engine.moe.policy.plan import WHERE, LayerDecision, StepMoves
 from engine.precision import FLOAT_BYTES
@@ -214,6 +214,8 @@ class StepPricer:
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._trivial_step(t, counts, lay)
+        elif self.two_tier and isinstance(decisions, StepPlan) and not decisions.splits:
+            self._step_plan(decisions, lay)
         else:
             for d in decisions:
                 if self.two_tier:
@@ -370,6 +372,31 @@ class StepPricer:
             out.host += host
             out.copies += fetch_copy + admits
         out.queued += len(d.prefetch) * self.copy_hi
+
+    def _step_plan(self, d: StepPlan, out: _Layer) -> None:
+        """:meth:`_layer` of every layer of a step planned at once (one micro-batch, no cache, no
+        replicas), as arrays over layers: the same sums, the same overlap rules."""
+        counts, where = d.counts, d.where
+        link = self.profile.link
+        assert link is not None
+        hi_lut, host_lut = self._lut("fast", self.hi), self._lut("host", self.host_prec)
+        lo_lut = self._lut("fast", self.precision_of["lo"])
+        is_hi, is_lo, is_host, is_fetch = (where == 0), (where == 1), (where == 2), (where == 3)
+        resident = (hi_lut[counts] * is_hi).sum(1) + (lo_lut[counts] * is_lo).sum(1)  # [L]
+        fetched = (hi_lut[counts] * is_fetch).sum(1)
+        host_tokens = (counts * is_host).sum(1)
+        act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
+        crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
+                            + act / link.h2d_pinned_bytes_per_s, 0.0)
+        host = (host_lut[counts] * is_host).sum(1) + crossing
+        fetch_copy = is_fetch.sum(1) * self.copy_hi
+        copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
+        device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident, fetch_copy)
+        call = self.grouped_call[min(d.n_tokens * self.k_run, self.slots_max)]
+        out.seconds += float((self.fast.part_overhead_s + np.maximum(device, host) + call).sum())
+        out.fast += float((resident + fetched).sum())
+        out.host += float(host.sum())
+        out.copies += float(fetch_copy.sum())
 
     # ------------------------------------------------------------------------------------- moves
     def _moves(self, moves: StepMoves) -> tuple[float, float]:

@@ -91,8 +91,15 @@ def validate(model: str, workload: Any, profile: Any, n_configs: int, *, seed: i
     say = progress or (lambda _m: None)
     base = EngineConfig()
     rows: list[dict[str, Any]] = []
-    for i, (values, cfg) in enumerate(draw_configs(profile, n_configs, seed, base)):
+    for i, (values, cfg) in enumerate(draw_configs(profile, 3 * n_configs, seed, base)):
+        if len(rows) >= n_configs:
+            break
         changed = {k: v for k, v in values.items() if v != _default(base, k)}
+        try:  # what the simulator refuses (a top-k beyond the model's, ...) is skipped before the live run
+            SimBackend.from_model(model, cfg, profile=profile)
+        except ConfigError as e:
+            say(f"config {i + 1}: skipped before running: {e}")
+            continue
         say(f"config {i + 1}/{n_configs}: {changed or 'defaults'}")
         try:
             live = make_backend(model, cfg)

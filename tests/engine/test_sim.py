@@ -228,3 +228,19 @@ def test_validate_draws_configs_from_the_tuner_space():
     b = draw_configs(prof, 5, 1, EngineConfig())
     assert len(a) == 5 and [c.config_hash() for _, c in a] == [c.config_hash() for _, c in b]
     assert len({c.config_hash() for _, c in a}) == 5
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(residency="static", resident_budget_gib=16, missing_expert="auto"),
+    dict(residency="dynamic", resident_budget_gib=16, missing_expert="fetch", lo_precision="int8"),
+    dict(residency="static", resident_budget_gib=20, missing_expert="host", decode_attention="host"),
+])
+def test_pricing_all_layers_at_once_equals_layer_by_layer(monkeypatch, knobs):
+    from engine.sim import step
+
+    wl = _workload(10, 64, 16)
+    b = make_backend("shape:qwen3-30b-a3b", _small(**knobs), kind="sim", profile="builtin:h100-pcie")
+    fast = [s.duration_ms for s in run_workload(b, wl, mode="offline").steps]
+    monkeypatch.setattr(step.StepPricer, "_step_plan", lambda self, d, out: [self._layer(x, out) for x in d])
+    slow = [s.duration_ms for s in run_workload(b, wl, mode="offline").steps]
+    np.testing.assert_allclose(fast, slow, rtol=1e-12)

@@ -30,15 +30,17 @@ from engine.moe.policy.plan import (
     LayerDecision,
     PartPlan,
     ReplicaChange,
+    RunArrays,
     StepMoves,
     TierStats,
     counts_by_layer,
     counts_of,
     moves_bytes,
     plan_run_arrays,
+    plan_where,
     tier_bytes,
 )
-from engine.moe.policy.replication import plan_replicas
+from engine.moe.policy.replication import plan_replicas, split_tokens
 from engine.moe.policy.residency import (
     TIER_CODES,
     DynamicResidency,
@@ -49,6 +51,7 @@ from engine.moe.policy.residency import (
 )
 
 _FETCH = WHERE.index("fetch")
+_HOST_WHERE = WHERE.index("host")
 
 SWAP_SHARE_DEFAULT = 8
 """With ``dynamic_max_swaps == 0``, a re-plan makes at most one exchange per this many experts of a
@@ -125,6 +128,38 @@ class TrivialStep(Sequence[LayerDecision]):
             raise IndexError(i)
         li = i % len(self)
         return LayerDecision(li, self.counts[li], self.n_tokens)
+
+
+class StepPlan(Sequence[LayerDecision]):
+    """The decisions of every MoE layer of one step planned at once (:meth:`ResidencyController.plan_step`):
+    ``where`` ``[L, E]`` (an index into :data:`WHERE` per routed expert, -1 where not routed), ``splits``
+    per layer of replicated runs; each :class:`LayerDecision` is built when read."""
+
+    trivial = False
+
+    def __init__(self, counts: np.ndarray, where: np.ndarray, n_tokens: int,
+                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]]) -> None:
+        self.counts, self.where, self.n_tokens, self.splits = counts, where, n_tokens, splits
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> LayerDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LayerDecision]: ...
+
+    def __getitem__(self, i: int | slice) -> LayerDecision | list[LayerDecision]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        li = i % len(self)
+        routed = np.flatnonzero(self.where[li] >= 0)
+        arrays = RunArrays(routed.astype(np.int64), self.counts[li, routed].astype(np.int64),
+                           self.where[li, routed].astype(np.int8), self.splits.get(li, ()))
+        return LayerDecision(li, self.counts[li], self.n_tokens, (PartPlan(0, self.n_tokens, None, None, (), arrays),))
 
 
 class ResidencyController:
@@ -213,7 +248,36 @@ class ResidencyController:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
+        t = int(ids.shape[0])
+        if self.cache is None and len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1:
+            decisions = self._plan_all_layers(counts, t)
+            if self.log is not None:
+                for d in decisions:
+                    self.log.layer(d)
+            return decisions, counts
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
+
+    def _plan_all_layers(self, counts: np.ndarray, t: int) -> StepPlan:
+        """:meth:`plan_layer` of every layer at once where nothing changes between layers within a step
+        (no cache, one micro-batch): the same runs as :func:`plan_run_arrays` per layer, elementwise."""
+        s = self.settings
+        where = plan_where(counts, self.tiers, s.missing, self.cost, s.bytes_host)  # [L, E], -1 = not routed
+        n_by = np.bincount(where[where >= 0], minlength=len(WHERE)).tolist()
+        st = self.stats
+        st.expert_calls_fast_hi += n_by[0]
+        st.expert_calls_fast_lo += n_by[1]
+        st.expert_calls_host += n_by[2]
+        st.expert_calls_fetched += n_by[3]
+        st.bytes_to_fast += s.bytes_hi * n_by[3]
+        splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0)
+        if replicated.any():
+            for li, e in zip(*np.nonzero(replicated), strict=True):
+                r = int(self.replicas[li, e])
+                splits.setdefault(int(li), ())
+                splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
+                st.replica_calls += r
+        return StepPlan(counts, where, t, splits)
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:

@@ -236,6 +236,31 @@ def plan_run_arrays(counts: np.ndarray | Sequence[int], tiers: np.ndarray | Sequ
     return RunArrays(routed.astype(np.int64), tokens, where, splits)
 
 
+def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostModel | None,
+               host_bytes: int) -> np.ndarray:
+    """Where each routed expert of every layer runs: int8 ``[L, E]`` indices into :data:`WHERE` (-1 where
+    ``counts`` is 0), decided as :func:`plan_run_arrays` decides them layer by layer."""
+    c = np.asarray(counts)
+    where = _CODE_TO_WHERE[np.asarray(tiers)].astype(np.int8)
+    missing = (np.asarray(tiers) <= 0) & (c > 0)
+    if missing.any():
+        if mode == "fetch":
+            where[missing] = _FETCH
+        elif mode == "auto":
+            if cost is None:
+                raise ValueError("mode 'auto' needs a calibrated cost model")
+            n = c[missing].astype(np.float64)
+            h, d = cost._cost("host", None), cost._cost("device", None)
+            host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
+            fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
+                                                                                  + n * d.token_s_per_byte))
+            where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
+        elif mode != "host":
+            raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+    where[c <= 0] = -1
+    return where
+
+
 @dataclass
 class TierStats:
     """What the tiers did during a run, counted from the executed plans and moves (both backends)."""
