@@ -266,7 +266,7 @@ def cmd_validate_sim(args: argparse.Namespace) -> int:
 
     load_before = os.getloadavg()
     res = validate(args.model, workload, prof, args.configs, seed=args.seed, mode=args.mode,
-                   max_requests=args.max_requests or None, progress=progress)
+                   max_requests=args.max_requests or None, progress=progress, grid=args.grid)
     res["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     print(f"model {args.model}; workload {workload.name} ({args.mode}, {args.max_requests or 'all'} requests); "
           f"profile {prof.name} (calibrated: {str(prof.calibrated).lower()}); {res['configs']} configs; "
@@ -559,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--profile", required=True, help="profile file (`engine calibrate`) or builtin:<name>")
     vs.add_argument("--configs", type=int, default=8, help="configs to draw from the tuner's search space")
     vs.add_argument("--seed", type=int, default=0, help="seed of the random draws")
+    vs.add_argument("--grid", choices=["random", "hybrid"], default="random",
+                    help="random: configs drawn from the tuner's space; hybrid: the hybrid knobs one at a time "
+                         "(budget 25/50/100 %% x host/fetch/auto, int8/int4, replicas, SM share; --configs caps it)")
     vs.add_argument("--mode", choices=["realtime", "offline"], default="offline")
     vs.add_argument("--max-requests", type=int, default=24, help="replay the first N requests (0 = all)")
     vs.add_argument("--json", action="store_true", help="end with one JSON object on the last line")

@@ -154,14 +154,17 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
     return {"tables": tables, "thread_scaling": scaling}, extra
 
 
-def _profile(host: dict[str, Any], measured: dict[str, Any], name: str) -> Profile:
+def _profile(host: dict[str, Any], measured: dict[str, Any], name: str, device: dict[str, Any] | None = None,
+             link: dict[str, Any] | None = None) -> Profile:
     return Profile.parse({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": name, "calibrated": True,
-                          "source": "engine calibrate", "host": host, "measured": measured}, "calibration")
+                          "source": "engine calibrate", "host": host, "device": device, "link": link,
+                          "measured": measured}, "calibration")
 
 
-def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, model: str,
-                   progress: Progress) -> dict[str, Any]:
-    """Step, token and per-layer overheads from live runs re-priced step by step (module docstring)."""
+def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, model: str, progress: Progress,
+                   device: dict[str, Any] | None = None, link: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Step, token and per-layer overheads from live runs re-priced step by step (module docstring),
+    fitted into the fast tier's processor (the device where there is one, else the host); returns it."""
     from engine.backend import make_backend
     from engine.backend_sim import SimBackend
     from engine.config import EngineConfig
@@ -193,19 +196,24 @@ def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, mo
 
     from engine.sim.cost import fit_linear
 
+    def profile(fast: dict[str, Any]) -> Profile:
+        return _profile(host, measured, name, fast, link) if device is not None else \
+            _profile(fast, measured, name)
+
+    fast = dict(device if device is not None else host)
     progress(f"fit: overheads, plain config on {model}")
     base = EngineConfig()
-    r, tok = residuals(base, _profile(host, measured, name))
+    r, tok = residuals(base, profile(fast))
     intercept, slope = fit_linear(tok.tolist(), r.tolist())
-    host = {**host, "layer_overhead_s": intercept / spec.n_layers, "token_overhead_s": slope}
+    fast.update(step_overhead_s=0.0, layer_overhead_s=intercept / spec.n_layers, token_overhead_s=slope)
     progress("fit: overheads, hybrid executor (static residency, host experts)")
     budget_gib = 0.5 * spec.expert_params() * 2 * spec.n_experts * len(spec.moe_layers) / 2**30
     hybrid = base.replace(residency="static", resident_budget_gib=budget_gib, missing_expert="host")
-    r2, _ = residuals(hybrid, _profile(host, measured, name))
-    host["moe_layer_overhead_s"] = max(float(np.median(r2)), 0.0) / max(len(spec.moe_layers), 1)
-    measured["fit"] = {"model": model, "steps": int(len(r)), "residual_plain_median_s": float(np.median(r)),
-                       "residual_hybrid_median_s": float(np.median(r2))}
-    return host
+    r2, _ = residuals(hybrid, profile(fast))
+    fast["moe_layer_overhead_s"] = max(float(np.median(r2)), 0.0) / max(len(spec.moe_layers), 1)
+    measured["fit"] = {"model": model, "fitted": "device" if device is not None else "host", "steps": int(len(r)),
+                       "residual_plain_median_s": float(np.median(r)), "residual_hybrid_median_s": float(np.median(r2))}
+    return fast
 
 
 def calibrate(progress: Progress | None = None, model: str = CAL_MODEL, name: str | None = None) -> Profile:
@@ -237,11 +245,15 @@ def calibrate(progress: Progress | None = None, model: str = CAL_MODEL, name: st
                                 "auto_compute_dtype": limits["auto_compute_dtype"],
                                 "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     label = name or f"calibrated-{hw['fingerprint']}"
-    host = _fit_overheads(host, measured, label, model, say)
     device = link = None
     if torch.cuda.is_available():
         device, link = _measure_cuda(say)
         measured["gpu"] = torch.cuda.get_device_name(0)
+    fitted = _fit_overheads(host, measured, label, model, say, device, link)
+    if device is not None:
+        device = fitted
+    else:
+        host = fitted
     measured["seconds"] = round(time.perf_counter() - t0, 1)
     data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": label, "calibrated": True,
             "source": "engine calibrate", "host": host, "device": device, "link": link, "measured": measured}

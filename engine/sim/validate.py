@@ -75,12 +75,42 @@ def draw_configs(profile: Any, n: int, seed: int, base: Any) -> list[tuple[dict[
     return out
 
 
+def hybrid_grid(model: str, profile: Any, base: Any) -> list[tuple[dict[str, Any], Any]]:
+    """The hybrid knobs one at a time around static residency: resident budget at 25 / 50 / 100 % of
+    the model's experts (as loaded) x missing experts on the host, fetched or decided by cost; int8 and
+    int4 resident experts; replicas; half the SMs for expert compute (a device profile only)."""
+    from engine.backend_sim import resolve_sim_model
+
+    spec = resolve_sim_model(model)[0]
+    all_gib = spec.expert_params() * 2 * spec.n_experts * len(spec.moe_layers) / 2**30  # bf16 as stored
+    out: list[dict[str, Any]] = []
+    for share in (0.25, 0.5, 1.0):
+        for missing in ("host", "fetch", "auto"):
+            out.append({"experts.residency": "static", "experts.resident_budget_gib": round(all_gib * share, 4),
+                        "execution.missing_expert": missing})
+    half = {"experts.residency": "static", "experts.resident_budget_gib": round(all_gib * 0.5, 4),
+            "execution.missing_expert": "auto"}
+    out += [{**half, "experts.hi_precision": "int8"}, {**half, "experts.hi_precision": "int4"},
+            {"execution.max_replicas": 1, "execution.replica_threshold": 1.5}]
+    if profile.device is not None:
+        out.append({**half, "execution.expert_sm_share": 0.5})
+    configs = []
+    for values in out:
+        data = base.to_dict()
+        for key, value in values.items():
+            area, name = key.split(".", 1)
+            data[area][name] = value
+        configs.append((values, type(base).from_dict(data, source="hybrid grid")))
+    return configs
+
+
 def _metrics(summary: dict[str, Any]) -> dict[str, float | None]:
     return {m: summary.get(m) for m in METRICS}
 
 
 def validate(model: str, workload: Any, profile: Any, n_configs: int, *, seed: int = 0, mode: str = "offline",
-             max_requests: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             max_requests: int | None = None, progress: Callable[[str], None] | None = None,
+             grid: str = "random") -> dict[str, Any]:
     """Run ``n_configs`` configs live and simulated (module docstring); rows and the error summary."""
     from engine.backend import make_backend
     from engine.backend_sim import SimBackend
@@ -91,7 +121,8 @@ def validate(model: str, workload: Any, profile: Any, n_configs: int, *, seed: i
     say = progress or (lambda _m: None)
     base = EngineConfig()
     rows: list[dict[str, Any]] = []
-    for i, (values, cfg) in enumerate(draw_configs(profile, 3 * n_configs, seed, base)):
+    draws = hybrid_grid(model, profile, base) if grid == "hybrid" else draw_configs(profile, 3 * n_configs, seed, base)
+    for i, (values, cfg) in enumerate(draws):
         if len(rows) >= n_configs:
             break
         changed = {k: v for k, v in values.items() if v != _default(base, k)}
@@ -116,6 +147,9 @@ def validate(model: str, workload: Any, profile: Any, n_configs: int, *, seed: i
             continue
         lv, sv = _metrics(got.summary()), _metrics(priced.summary())
         err = {m: (sv[m] - lv[m]) / lv[m] if lv[m] and sv[m] is not None else None for m in METRICS}
+        say("  live " + ", ".join(f"{m} {lv[m]:.4g}" for m in METRICS if lv[m] is not None) + " | sim "
+            + ", ".join(f"{m} {sv[m]:.4g}" for m in METRICS if sv[m] is not None) + " | error "
+            + ", ".join(f"{m} {100 * err[m]:+.0f}%" for m in METRICS if err[m] is not None))
         rows.append({"config": changed, "config_hash": cfg.config_hash(), "live": lv, "sim": sv, "error": err,
                      "same_steps": len(got.steps) == len(priced.steps)})
     summary: dict[str, Any] = {}
