@@ -298,6 +298,39 @@ def cmd_validate_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.sim.plan import plan
+    from engine.sim.profile import load_profile
+    from workloads.schema import load_workload
+
+    profiles = [load_profile(p) for p in args.profile]
+    workload = load_workload(args.workload)
+    base = _engine_config(args)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"plan {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    rows = plan(args.model, profiles, workload, base, max_requests=args.max_requests or None, progress=progress)
+    n = min(len(workload.requests), args.max_requests or len(workload.requests))
+    print(f"model {args.model}; workload {workload.name} ({n} requests); default SLO (p99 TTFT 1000 ms, p99 TPOT "
+          f"100 ms, attainment 90 %); simulated, {time.perf_counter() - t0:.1f} s")
+    for prof in profiles:
+        mine = [r for r in rows if r["profile"] == prof.name]
+        print(f"\n{prof.name}: {prof.fast.name} + {prof.host.name} (calibrated: {str(prof.calibrated).lower()})")
+        print(_table(mine, ["budget_gib", "hi", "missing", "batching", "replicas", "offline_tokens_per_s",
+                            "ttft_p99_ms", "tpot_p99_ms", "capacity_rps", "error"],
+                     {"offline_tokens_per_s": ".1f", "ttft_p99_ms": ".0f", "tpot_p99_ms": ".1f",
+                      "capacity_rps": ".2f", "budget_gib": ".1f"}))
+    if args.json:
+        print(json.dumps({"model": args.model, "workload": workload.name, "rows": rows,
+                          "profiles": [p.describe() for p in profiles]}))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -566,6 +599,15 @@ def build_parser() -> argparse.ArgumentParser:
     vs.add_argument("--max-requests", type=int, default=24, help="replay the first N requests (0 = all)")
     vs.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     vs.set_defaults(fn=cmd_validate_sim)
+
+    pl = sub.add_parser("plan", help="price the hybrid knobs of a model on machines that are not here (simulated)")
+    pl.add_argument("--profile", action="append", required=True,
+                    help="a profile (repeat): a file from `engine calibrate` or builtin:<name>")
+    pl.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    pl.add_argument("--max-requests", type=int, default=0, help="replay the first N requests (0 = all)")
+    pl.add_argument("--quiet", action="store_true")
+    model_args(pl)
+    pl.set_defaults(fn=cmd_plan)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")

@@ -176,8 +176,8 @@ def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, mo
     from workloads.synth import synth_workload
 
     _, spec = read_config(resolve_model(model))
-    wl = synth_workload("calibrate", 24, arrival="poisson", rate_per_s=1000.0, prompt_len="uniform:8:96",
-                        output_len="uniform:8:24", seed=11)
+    wl = synth_workload("calibrate", 16, arrival="poisson", rate_per_s=1000.0, prompt_len="uniform:8:96",
+                        output_len="uniform:4:40", seed=11)
 
     def residuals(cfg: EngineConfig, prof: Profile) -> tuple[np.ndarray, np.ndarray]:
         live = make_backend(model, cfg)
@@ -192,9 +192,7 @@ def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, mo
         a = np.array([s.duration_ms for s in got.steps[1:]]) / 1e3  # the first step pays warm-up costs
         b = np.array([s.duration_ms for s in priced.steps[1:]]) / 1e3
         tok = np.array([s.prefill_tokens + s.decode_tokens for s in got.steps[1:]], np.float64)
-        return a - b, tok
-
-    from engine.sim.cost import fit_linear
+        return a - b, tok, a
 
     def profile(fast: dict[str, Any]) -> Profile:
         return _profile(host, measured, name, fast, link) if device is not None else \
@@ -203,17 +201,32 @@ def _fit_overheads(host: dict[str, Any], measured: dict[str, Any], name: str, mo
     fast = dict(device if device is not None else host)
     progress(f"fit: overheads, plain config on {model}")
     base = EngineConfig()
-    r, tok = residuals(base, profile(fast))
-    intercept, slope = fit_linear(tok.tolist(), r.tolist())
+    r, tok, live_s = residuals(base, profile(fast))
+    intercept, slope = fit_relative(tok, r, live_s)
     fast.update(step_overhead_s=0.0, layer_overhead_s=intercept / spec.n_layers, token_overhead_s=slope)
     progress("fit: overheads, hybrid executor (static residency, host experts)")
     budget_gib = 0.5 * spec.expert_params() * 2 * spec.n_experts * len(spec.moe_layers) / 2**30
     hybrid = base.replace(residency="static", resident_budget_gib=budget_gib, missing_expert="host")
-    r2, _ = residuals(hybrid, profile(fast))
+    r2, _, _ = residuals(hybrid, profile(fast))
     fast["moe_layer_overhead_s"] = max(float(np.median(r2)), 0.0) / max(len(spec.moe_layers), 1)
     measured["fit"] = {"model": model, "fitted": "device" if device is not None else "host", "steps": int(len(r)),
                        "residual_plain_median_s": float(np.median(r)), "residual_hybrid_median_s": float(np.median(r2))}
     return fast
+
+
+def fit_relative(tokens: np.ndarray, residual_s: np.ndarray, live_s: np.ndarray) -> tuple[float, float]:
+    """``residual = a + b x tokens`` with a, b >= 0, minimising the error relative to each step's live
+    time (a least-squares fit in seconds would be decided by the few long prefill steps alone, and
+    the fixed cost per step is what decode steps of one token pay)."""
+    w = 1.0 / np.maximum(live_s, 1e-6)
+    design = np.stack([np.ones_like(tokens), tokens], axis=1) * w[:, None]
+    target = residual_s * w
+    (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if a < 0:  # no fixed part: the token term alone
+        a, b = 0.0, max(float((design[:, 1] @ target) / (design[:, 1] @ design[:, 1])), 0.0)
+    if b < 0:
+        b, a = 0.0, max(float(np.sum(target * w) / np.sum(w * w)), 0.0)
+    return float(a), float(b)
 
 
 def calibrate(progress: Progress | None = None, model: str = CAL_MODEL, name: str | None = None) -> Profile:
