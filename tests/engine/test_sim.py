@@ -244,3 +244,16 @@ def test_pricing_all_layers_at_once_equals_layer_by_layer(monkeypatch, knobs):
     monkeypatch.setattr(step.StepPricer, "_step_plan", lambda self, d, out: [self._layer(x, out) for x in d])
     slow = [s.duration_ms for s in run_workload(b, wl, mode="offline").steps]
     np.testing.assert_allclose(fast, slow, rtol=1e-12)
+
+
+def test_validate_sim_command_ends_with_its_json(make_ckpt, capsys):
+    model = str(make_ckpt("qwen2_moe", seed=4, experts=16, top_k=4, width=32))
+    rc = engine_main(["validate-sim", "--model", model, "--workload", "builtin:tiny", "--profile", "builtin:spr",
+                      "--configs", "1", "--max-requests", "2", "--grid", "hybrid", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    got = json.loads(out[-1])
+    assert got["configs"] == 1 and got["profile"]["calibrated"] is False
+    row = got["rows"][0]
+    assert row["same_steps"] and row["live"]["output_tokens_per_s"] > 0 and row["sim"]["output_tokens_per_s"] > 0
+    assert set(got["summary"]) >= {"output_tokens_per_s", "tpot_ms_p99", "ttft_ms_p99", "spearman_output_tokens_per_s"}
