@@ -331,6 +331,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sim(args: argparse.Namespace, batches: list[int]) -> int:
+    from engine.backend import make_backend
+    from engine.sim.bench import sim_bench
+
+    if args.backend != "sim":
+        raise ConfigError(f"engine bench --backend {args.backend}: bench runs live or sim (the stub prices nothing)")
+    backend = make_backend(args.model, _engine_config(args), kind="sim", **_backend_options(args))
+    res = sim_bench(backend, batches, args.prompt_len, args.new_tokens)
+    prof = res["profile"]
+    print(f"model {res['model']}: simulated on profile {prof['name']} (calibrated: {str(prof['calibrated']).lower()}), "
+          f"{res['compute_dtype']} on {res['device']}; prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_step_ms"],
+                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "decode_step_ms": ".2f"}))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -338,6 +356,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
+    if args.backend != "live":
+        return _bench_sim(args, batches)
+    _backend_options(args)  # refuses --profile and the routing flags without --backend sim
     engine = _load_engine(args)
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
@@ -522,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
+    sim_args(b)
     model_args(b)
     b.set_defaults(fn=cmd_bench)
 

@@ -257,3 +257,14 @@ def test_validate_sim_command_ends_with_its_json(make_ckpt, capsys):
     row = got["rows"][0]
     assert row["same_steps"] and row["live"]["output_tokens_per_s"] > 0 and row["sim"]["output_tokens_per_s"] > 0
     assert set(got["summary"]) >= {"output_tokens_per_s", "tpot_ms_p99", "ttft_ms_p99", "spearman_output_tokens_per_s"}
+
+
+def test_bench_runs_simulated_and_refuses_sim_flags_live(capsys):
+    rc = engine_main(["bench", "--backend", "sim", "--profile", "builtin:h100-pcie", "--model", "shape:olmoe-1b-7b",
+                      "--batch", "1,8", "--prompt-len", "32", "--new-tokens", "8", "--json"])
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and got["backend"] == "sim" and got["calibrated"] is False
+    one, eight = got["rows"]
+    assert eight["decode_tokens_per_s"] > one["decode_tokens_per_s"] > 0 and one["prefill_tokens_per_s"] > 0
+    assert engine_main(["bench", "--profile", "builtin:h100-pcie"]) == 2
+    assert "need --backend sim" in capsys.readouterr().err
