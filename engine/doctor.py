@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.env import cache_dir, db_url
+from engine.env import cache_dir, db_url, omp_wait_policy
 from engine.hwinfo import ISA_FLAGS, cpu_flags, hardware
 
 # The expert shape the compute-dtype measurement uses when no model is given: the medium preset's
@@ -120,7 +120,7 @@ def diagnose(hidden: int = REFERENCE_HIDDEN, inter: int = REFERENCE_INTER) -> di
     report: dict[str, Any] = {
         "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
         "cpu": _cpu(), "kernels": _kernels(), "quant": _quant(), "cuda": _cuda(), "nvml": _nvml(),
-        "cache": _cache(),
+        "cache": _cache(), "omp_wait_policy": omp_wait_policy(),
     }
     report["compute_dtype"] = _compute_dtype(hidden, inter)
     problems, notes = [], []
@@ -158,6 +158,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"kernels   {k['state']}" + (f": {k['isa']} from {k['library']} ({k['load_s']:.1f} s)" if k["available"]
                                      else f": {k['error']}"),
         f"          compiler {k['compiler'] or 'none'}" + (f" ({k['compiler_version']})" if k["compiler_version"] else ""),
+        f"threads   OpenMP waits {r['omp_wait_policy']}",
     ]
     for name in ("bfloat16", "float16"):
         d = cd[name]

@@ -13,6 +13,8 @@ from typing import Any
 
 import psutil
 
+from engine.env import omp_wait_policy
+
 
 def _torch() -> Any:
     """torch, or None in a process without it (a backend without tensors runs there)."""
@@ -83,7 +85,8 @@ def software() -> dict[str, str]:
         return {"python": sys.version.split()[0], "torch": "absent", "moetune": version("moetune"), "cuda": "none",
                 "platform": platform.platform(), "kernels": None}
     return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
-            "cuda": torch.version.cuda or "none", "platform": platform.platform(), "kernels": kernel_state()}
+            "cuda": torch.version.cuda or "none", "platform": platform.platform(), "kernels": kernel_state(),
+            "omp_wait_policy": omp_wait_policy()}
 
 
 def kernel_state() -> dict[str, Any]:
