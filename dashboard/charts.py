@@ -14,21 +14,14 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.metrics import label as metric_label
+
 MET = "#2ca02c"
 MISSED = "#d62728"
 BASELINE = "#7f7f7f"  # also: requests not judged against the SLO
 PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 LABELS = {
-    "goodput_rps": "goodput (req/s)",
-    "goodput_tokens_per_s": "goodput (tok/s)",
-    "slo_attainment": "SLO attainment",
-    "output_tokens_per_s": "throughput (output tok/s)",
-    "requests_per_s": "requests/s",
-    "capacity_rps": "capacity (req/s)",
-    "quality_top1_agreement": "top-1 agreement",
-    "quality_mean_kl": "mean KL",
-    "peak_rss_bytes": "peak RSS (bytes)",
     "ttft_ms": "TTFT (ms)",
     "tpot_ms": "TPOT (ms)",
     "e2e_ms": "E2E latency (ms)",
@@ -36,14 +29,8 @@ LABELS = {
 
 
 def label(name: str) -> str:
-    """A readable axis label for a metric name."""
-    if name in LABELS:
-        return LABELS[name]
-    for m in ("ttft", "tpot", "e2e", "itl"):
-        for q in (50, 90, 99):
-            if name == f"{m}_p{q}_ms":
-                return f"{m.upper()} p{q} (ms)"
-    return name
+    """A readable axis label for a metric name (the metrics table's, ``engine.metrics``)."""
+    return LABELS.get(name) or metric_label(name)
 
 
 def _layout(fig: go.Figure, title: str, height: int = 360, **kw: Any) -> go.Figure:
@@ -88,6 +75,86 @@ def history(points: pd.DataFrame, objective: str, direction: str) -> go.Figure:
     fig.update_xaxes(title="trial")
     fig.update_yaxes(title=label(objective))
     return _layout(fig, f"Optimisation history: {label(objective)} ({direction})")
+
+
+NOISE = "rgba(127, 127, 127, 0.18)"
+
+
+def per_trial(values: pd.DataFrame, objective: str, noise: Mapping[str, Any] | None) -> go.Figure:
+    """Each trial's search on the whole workload, with the band the defaults' repeats fell in.
+
+    A search stopped early (the config could not beat the best so far) is drawn at the value it
+    missed at, as a downward triangle: its own value lies below.
+    """
+    fig = go.Figure()
+    if noise:
+        fig.add_hrect(y0=noise["lo"], y1=noise["hi"], fillcolor=NOISE, line_width=0, layer="below")
+        fig.add_hline(y=noise["median"], line={"dash": "dot", "color": BASELINE},
+                      annotation_text=f"defaults: {noise['n']} runs, spread {noise['rel_spread']:.1%}")
+    done = values.dropna(subset=["value"])
+    for name, g, marker in _groups(done):
+        if len(g):
+            fig.add_trace(go.Scatter(x=g["number"], y=g["value"], mode="markers", name=name, marker=marker,
+                                     text=_trial_text(g), hovertemplate="%{text}<br>%{y:.4g}<extra></extra>"))
+    stopped = values[values["value"].isna() & values["upper_bound"].notna()]
+    if len(stopped):
+        fig.add_trace(go.Scatter(x=stopped["number"], y=stopped["upper_bound"], mode="markers",
+                                 name="stopped early (below this)",
+                                 marker={"symbol": "triangle-down-open", "size": 10, "color": MISSED},
+                                 text=_trial_text(stopped), hovertemplate="%{text}<br>< %{y:.4g}<extra></extra>"))
+    fig.update_xaxes(title="trial")
+    fig.update_yaxes(title=label(objective), rangemode="tozero")
+    return _layout(fig, f"{label(objective)} per trial, with the noise band of the defaults")
+
+
+def confirmed(conf: Mapping[str, Any]) -> go.Figure:
+    """The confirmed configs: median and interval of their interleaved runs, best first."""
+    configs = sorted((c for c in conf["configs"] if c["interval"]), key=lambda c: c["interval"]["median"],
+                     reverse=conf["direction"] == "maximize")
+    labels = [c["label"] for c in configs]
+    med = [c["interval"]["median"] for c in configs]
+    colours = [BASELINE if c["baseline"] else MET for c in configs]
+    fig = go.Figure(go.Bar(
+        x=labels, y=med, marker={"color": colours}, name="median",
+        error_y={"type": "data", "symmetric": False, "array": [c["interval"]["hi"] - m for c, m in zip(configs, med,
+                                                                                                   strict=True)],
+                 "arrayminus": [m - c["interval"]["lo"] for c, m in zip(configs, med, strict=True)]},
+        customdata=[[c["interval"]["lo"], c["interval"]["hi"], c["interval"]["n"]] for c in configs],
+        hovertemplate="%{x}: %{y:.4g} (%{customdata[0]:.4g}-%{customdata[1]:.4g}, %{customdata[2]} runs)"
+                      "<extra></extra>"))
+    fig.update_xaxes(title="config (grey: baseline)", type="category")
+    fig.update_yaxes(title=label(conf["objective"]), rangemode="tozero")
+    return _layout(fig, f"Confirmed {label(conf['objective'])}: median and interval of {conf['repeats']} "
+                        "interleaved runs")
+
+
+def probes(df: pd.DataFrame, target: float | None, capacity_rps: float | None) -> go.Figure:
+    """A trial's capacity probes: attainment against arrival rate, per measurement, with the target
+    and the knee. Open markers: probes stopped once their verdict was certain (a bound)."""
+    fig = go.Figure()
+    for i, ((purpose, fidelity, _measurement), g) in enumerate(df.groupby(["purpose", "fidelity", "measurement"],
+                                                                          sort=False)):
+        name = f"{purpose}, {'whole workload' if fidelity >= 1 else f'{fidelity:.0%} of it'}"
+        symbols = [("circle" if m else "x") + ("-open" if s else "") for m, s in zip(g["met"], g["stopped"],
+                                                                                      strict=True)]
+        fig.add_trace(go.Scatter(
+            x=g["rate_rps"], y=g["attainment"], mode="markers", name=name, legendgroup=name,
+            showlegend=name not in {tr.name for tr in fig.data},
+            marker={"symbol": symbols, "size": 10, "color": [MET if m else MISSED for m in g["met"]],
+                    "line": {"color": PALETTE[i % len(PALETTE)], "width": 2}},
+            customdata=np.stack([g["seq"] + 1, g["duration_s"], g["n_requests"]], axis=-1),
+            hovertemplate="probe %{customdata[0]}: %{x:.3g} req/s, attainment %{y:.0%}<br>"
+                          "%{customdata[2]} requests, %{customdata[1]:.1f} s<extra></extra>"))
+    if target is not None:
+        fig.add_hline(y=target, line={"dash": "dash", "color": "black"}, annotation_text=f"target {target:.0%}")
+    if capacity_rps:
+        # A trace, not a shape: shapes on a log axis take log10 coordinates.
+        fig.add_trace(go.Scatter(x=[capacity_rps, capacity_rps], y=[0, 1], mode="lines",
+                                 name=f"knee {capacity_rps:.3g} req/s", line={"dash": "dot", "color": MET},
+                                 hoverinfo="skip"))
+    fig.update_xaxes(title="arrival rate (req/s)", type="log")
+    fig.update_yaxes(title="SLO attainment", range=[-0.03, 1.05], tickformat=".0%")
+    return _layout(fig, "Capacity probes: attainment against arrival rate", height=400)
 
 
 def pareto(points: pd.DataFrame, objectives: Sequence[str], directions: Sequence[str],

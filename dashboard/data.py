@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,20 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from db.models import ExpertStatRow, Model, RequestRow, StepRow, Study, TelemetryRow, Trial, Workload
+from db.models import (
+    ExpertStatRow,
+    MeasurementRow,
+    Model,
+    ProbeRow,
+    RequestRow,
+    StepRow,
+    Study,
+    TelemetryRow,
+    Trial,
+    Workload,
+)
 from db.session import DatabaseError, make_readonly_engine, mask_url, resolve_url
+from engine.metrics import column_metrics
 from tuner.metrics import OBJECTIVES
 
 log = logging.getLogger(__name__)
@@ -57,21 +68,16 @@ MAX_POINTS = 1000
 
 STATES = ("complete", "running", "failed", "pruned", "infeasible")
 
-#: Trial metrics a table may show or sort by: name -> column.
+#: Trial metrics a table may show or sort by: name -> column (every metric column of ``engine.metrics``,
+#: plus how the trial was measured).
 TRIAL_METRICS: dict[str, Any] = {
-    "goodput_rps": Trial.goodput_rps,
-    "slo_attainment": Trial.slo_attainment,
-    "output_tokens_per_s": Trial.output_tokens_per_s,
-    "requests_per_s": Trial.requests_per_s,
-    **{f"{m}_p{q}_ms": getattr(Trial, f"{m}_p{q}_ms") for m in ("ttft", "tpot", "e2e", "itl") for q in (50, 90, 99)},
-    "quality_top1_agreement": Trial.quality_top1_agreement,
-    "quality_mean_kl": Trial.quality_mean_kl,
-    "peak_rss_bytes": Trial.peak_rss_bytes,
-    "peak_device_mem_bytes": Trial.peak_device_mem_bytes,
-    "duration_s": Trial.duration_s,
+    **{m.name: getattr(Trial, m.name) for m in column_metrics()},
+    "fidelity": Trial.fidelity,
+    "measured_s": Trial.measured_s,
+    "overhead_s": Trial.overhead_s,
 }
-TABLE_METRICS = ("goodput_rps", "slo_attainment", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms",
-                 "e2e_p99_ms", "quality_top1_agreement", "peak_rss_bytes", "duration_s")
+TABLE_METRICS = ("capacity_rps", "goodput_rps", "slo_attainment", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms",
+                 "e2e_p99_ms", "quality_top1_agreement", "peak_rss_bytes", "fidelity", "measured_s", "overhead_s")
 SORTABLE = ("number", "state", *TRIAL_METRICS)
 #: Per-request latencies a CDF can show.
 REQUEST_LATENCIES = {"ttft_ms": RequestRow.ttft_ms, "tpot_ms": RequestRow.tpot_ms, "e2e_ms": RequestRow.e2e_ms}
@@ -177,6 +183,7 @@ def studies_overview(url: str) -> pd.DataFrame:
             func.count().label("trials"),
             *_state_counts(),
             func.max(case((and_(complete, _feasible()), Trial.goodput_rps))).label("best_goodput_rps"),
+            func.max(case((and_(complete, _feasible()), Trial.capacity_rps))).label("best_capacity_rps"),
             func.max(case((and_(complete, Trial.is_baseline), Trial.goodput_rps))).label("best_baseline_goodput_rps"),
             func.max(Trial.started_at).label("last_trial_at"),
         )
@@ -189,7 +196,8 @@ def studies_overview(url: str) -> pd.DataFrame:
             Model.path.label("model_path"), Model.arch.label("model_arch"), Model.identity.label("model_identity"),
             Workload.name.label("workload"), Workload.source.label("workload_source"),
             *[func.coalesce(per_study.c[c], 0).label(c) for c in ("trials", *STATES)],
-            per_study.c.best_goodput_rps, per_study.c.best_baseline_goodput_rps, per_study.c.last_trial_at,
+            per_study.c.best_goodput_rps, per_study.c.best_capacity_rps, per_study.c.best_baseline_goodput_rps,
+            per_study.c.last_trial_at,
         )
         .join(Model, Model.id == Study.model_id)
         .join(Workload, Workload.id == Study.workload_id)
@@ -203,7 +211,7 @@ def studies_overview(url: str) -> pd.DataFrame:
     df["hardware"] = df["hardware"].map(hardware_label)
     df["slo"] = df["slo"].map(slo_label)
     df["objectives"] = df["objectives"].map(lambda o: ", ".join(o or []))
-    for column in ("best_goodput_rps", "best_baseline_goodput_rps"):
+    for column in ("best_goodput_rps", "best_capacity_rps", "best_baseline_goodput_rps"):
         df[column] = df[column].astype(float)
     best, base = df["best_goodput_rps"], df["best_baseline_goodput_rps"]
     df["gain_over_best_baseline"] = (best / base).where(base > 0)
@@ -288,8 +296,8 @@ def objective_points(url: str, study_id: int, objectives: tuple[str, ...]) -> pd
             Trial.number, Trial.state, Trial.is_baseline, Trial.baseline_name,
             case((complete, _feasible()), else_=literal(False, Boolean)).label("feasible"),
             *[case((complete, _objective(o))).label(f"obj_{i}") for i, o in enumerate(objectives)],
-            Trial.goodput_rps, Trial.output_tokens_per_s, Trial.slo_attainment, Trial.ttft_p99_ms,
-            Trial.tpot_p99_ms, Trial.e2e_p99_ms,
+            Trial.goodput_rps, Trial.capacity_rps, Trial.output_tokens_per_s, Trial.slo_attainment,
+            Trial.ttft_p99_ms, Trial.tpot_p99_ms, Trial.e2e_p99_ms,
         )
         .where(Trial.study_id == study_id)
         .order_by(Trial.number, Trial.id)
@@ -365,6 +373,66 @@ def top_configs(url: str, study_id: int, objective: str, direction: str, limit: 
     return df
 
 
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def findings(url: str, study_name: str) -> dict[str, Any]:
+    """What the study found (``tuner.findings``, the same figures ``tuner show`` prints): ``noise``,
+    ``confirmation`` (the latest session), ``fidelity``, ``time`` and ``within_noise``."""
+    from tuner import findings as f
+    from tuner.stats import within_noise
+
+    with Session(get_engine(url)) as s:
+        study = s.scalars(select(Study).where(Study.name == study_name)).one()
+        single = len(study.objectives) == 1
+        noise = f.noise(s, study)
+        return {
+            "noise": f.noise_summary(s, study),
+            "confirmation": f.confirmation(s, study) if single else None,
+            "fidelity": f.fidelity_stats(s, study),
+            "time": f.time_stats(s, study),
+            "within_noise": within_noise(f.searched_values(s, study), noise),
+        }
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def search_values(url: str, study_id: int) -> pd.DataFrame:
+    """Each trial's search on the whole workload (``mt_measurements``, purpose search, fidelity 1):
+    number, baseline, state, feasible, ``value`` (None when it stopped early) and ``upper_bound``."""
+    stmt = (
+        select(Trial.number, Trial.state, Trial.is_baseline, Trial.baseline_name,
+               case((Trial.state == "complete", _feasible()), else_=literal(False, Boolean)).label("feasible"),
+               MeasurementRow.value, MeasurementRow.upper_bound, MeasurementRow.stopped_early)
+        .join(MeasurementRow, MeasurementRow.trial_id == Trial.id)
+        .where(Trial.study_id == study_id, MeasurementRow.purpose == "search", MeasurementRow.fidelity >= 1.0)
+        .order_by(Trial.number, MeasurementRow.id)
+    )
+    df = _frame(url, stmt)
+    for c in ("feasible", "is_baseline", "stopped_early"):
+        df[c] = df[c].fillna(False).astype(bool)
+    for c in ("value", "upper_bound"):
+        df[c] = df[c].astype(float)
+    return df
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def trial_probes(url: str, trial_id: int) -> pd.DataFrame:
+    """Every replay of every measurement of a trial, in run order: the measurement's purpose, session,
+    repeat, fidelity and value, and the probe's rate, attainment, verdict and percentiles."""
+    stmt = (
+        select(MeasurementRow.id.label("measurement"), MeasurementRow.purpose, MeasurementRow.session,
+               MeasurementRow.repeat, MeasurementRow.fidelity, MeasurementRow.value.label("measured_value"),
+               MeasurementRow.stopped_early, ProbeRow.seq, ProbeRow.rate_scale, ProbeRow.rate_rps, ProbeRow.attainment,
+               ProbeRow.met, ProbeRow.stopped, ProbeRow.n_requests, ProbeRow.duration_s, ProbeRow.goodput_rps,
+               ProbeRow.ttft_p99_ms, ProbeRow.tpot_p99_ms)
+        .join(ProbeRow, ProbeRow.measurement_id == MeasurementRow.id)
+        .where(MeasurementRow.trial_id == trial_id)
+        .order_by(MeasurementRow.id, ProbeRow.seq)
+    )
+    df = _frame(url, stmt)
+    for c in ("met", "stopped", "stopped_early"):
+        df[c] = df[c].fillna(False).astype(bool)
+    return df
+
+
 @st.cache_resource(show_spinner=False)
 def _optuna_storage(url: str) -> Any:
     """Optuna's RDB storage on the same database, read-only (no table creation, no heartbeats),
@@ -381,35 +449,24 @@ def _optuna_storage(url: str) -> Any:
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
 def param_importance(url: str, optuna_study_name: str, objective_index: int, direction: str) -> dict[str, Any]:
-    """Parameter importance of one objective (Optuna's PED-ANOVA, no extra dependency).
+    """Parameter importance of one objective (Optuna's PED-ANOVA, ``tuner.importance``).
 
     Returns ``{"importances": {knob: share}, "n_trials": n}`` or ``{"message": why not}``.
     """
     import optuna
-    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
-    from optuna.trial import TrialState
+
+    from tuner.importance import param_importance as importance_of
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
         study = optuna.load_study(study_name=optuna_study_name, storage=_optuna_storage(url))
-        done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     except Exception as e:  # noqa: BLE001 - Optuna and SQLAlchemy raise many kinds
         log.info("no parameter importance for %s: %s", optuna_study_name, e)
         return {"message": f"cannot read Optuna study {optuna_study_name!r}: {' '.join(str(e).split())[:200]}"}
-    if len(done) < 2:
-        return {"message": f"parameter importance needs at least 2 complete trials; this study has {len(done)}."}
-    sign = -1.0 if direction == "maximize" else 1.0  # PED-ANOVA ranks low target values as good
-
-    def target(t: Any) -> float:
-        return sign * t.values[objective_index]
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            imp = get_param_importances(study, evaluator=PedAnovaImportanceEvaluator(), target=target)
-    except (ValueError, RuntimeError, ZeroDivisionError) as e:
-        return {"message": f"parameter importance could not be computed: {' '.join(str(e).split())[:200]}"}
-    return {"importances": {k: float(v) for k, v in imp.items()}, "n_trials": len(done)}
+    imp = importance_of(study, objective_index, direction)
+    if "message" in imp:
+        imp["message"] = f"parameter importance {imp['message']}."
+    return imp
 
 
 # ------------------------------------------------------------------------------------- trials

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-import pandas as pd
 import streamlit as st
 
 from dashboard import data
@@ -72,15 +71,11 @@ def pick_study(url: str) -> dict[str, Any]:
     return info
 
 
-def best_number(points: pd.DataFrame, direction: str) -> int | None:
-    """The trial ``tuner export`` ranks first: the best first objective among trials that met
-    the SLO, else among all complete trials (the best first objective is always on the front)."""
-    done = points[(points["state"] == "complete") & points["obj_0"].notna()]
-    if done.empty:
-        return None
-    pool = done[done["feasible"]] if done["feasible"].any() else done
-    pool = pool.sort_values(["obj_0", "number"], ascending=[direction != "maximize", True])
-    return int(pool["number"].iloc[0])
+def best_number(url: str, study_name: str) -> int | None:
+    """The trial ``tuner export`` ranks first (the tuner's own ranking: the best confirmed median when the
+    study was confirmed, else the best first objective among trials that met the SLO)."""
+    ranking = data.export_ranking(url, study_name)
+    return int(ranking["number"].iloc[0]) if len(ranking) else None
 
 
 def trial_label(row: Mapping[str, Any]) -> str:
@@ -102,6 +97,20 @@ def study_caption(info: Mapping[str, Any]) -> str:
         "objective " + ", ".join(f"{o} ({d})" for o, d in zip(info["objectives"], info["directions"], strict=True)),
         f"SLO {data.slo_label(info.get('slo'))}",
     ])
+
+
+def finding_text(conf: Mapping[str, Any]) -> str:
+    """The one-sentence finding of a confirmation (the tuner's own wording)."""
+    from tuner.report import finding
+
+    best = conf["best"]
+    return finding(conf, changed_knobs(best["config"]) if best else {})
+
+
+def changed_knobs(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The knobs of ``config`` that differ from the engine defaults."""
+    defaults = default_config()
+    return {k: v for k, v in flatten(config).items() if k in defaults and v != defaults[k]}
 
 
 def page_url(page: str, **params: Any) -> str:

@@ -42,7 +42,11 @@ NAMING_CONVENTION = {
 }
 
 TRIAL_STATES = ("running", "complete", "failed", "infeasible", "pruned")
-BACKENDS = ("live", "sim")
+#: Which path produced a study's results: the torch engine, the stub or the simulator (no tensors),
+#: or a server measured over HTTP (`workloads replay --url`).
+BACKENDS = ("live", "stub", "sim", "http")
+#: Why a config was measured: by its trial's search, for the study's noise, or to confirm a gain.
+PURPOSES = ("search", "noise", "confirm")
 
 JSONDict = dict[str, Any]
 
@@ -125,6 +129,8 @@ class Study(Base):
     objectives: Mapped[list[str]]
     backend: Mapped[str] = mapped_column(String(16))
     search_space_hash: Mapped[str] = mapped_column(String(64))
+    settings: Mapped[JSONDict | None]
+    """How the study measures: mode, rate scale, requests, fidelity rungs, noise repeats, capacity search."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     model: Mapped[Model] = relationship(back_populates="studies")
@@ -176,6 +182,13 @@ class Trial(Base):
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_device_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
     duration_s: Mapped[float | None]
+    capacity_rps: Mapped[float | None]
+    fidelity: Mapped[float | None]
+    """Share of the workload's requests the trial's last measurement replayed (1: the whole workload)."""
+    measured_s: Mapped[float | None]
+    """Seconds of replays (probes) the trial ran, over every fidelity."""
+    overhead_s: Mapped[float | None]
+    """Seconds of the trial outside replays and quality checks: reconfigure, warm-up, probe set-up."""
     summary: Mapped[JSONDict | None]
     """The whole ``RunResult.summary()`` dict; the columns above are copies of its main keys."""
     meta: Mapped[JSONDict | None]
@@ -197,6 +210,73 @@ class Trial(Base):
     telemetry: Mapped[list[TelemetryRow]] = relationship(
         back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
     )
+    measurements: Mapped[list[MeasurementRow]] = relationship(
+        back_populates="trial", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class MeasurementRow(Base):
+    """One measurement of a trial's config: a search at one fidelity, a noise repeat, a confirmation run.
+
+    Noise and confirmation runs of a study form sessions (``session``: 0 for the noise, 1, 2, ... for each
+    ``tuner confirm``); ``seq`` is the order they ran in within it (A B C A B C ...), ``repeat`` the round.
+    """
+
+    __tablename__ = "mt_measurements"
+    __table_args__ = (
+        CheckConstraint(_in("purpose", PURPOSES), name="purpose"),
+        Index(None, "study_id", "purpose", "session"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("mt_studies.id", ondelete="CASCADE"))
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"), index=True)
+    purpose: Mapped[str] = mapped_column(String(16))
+    session: Mapped[int] = mapped_column(default=0)
+    repeat: Mapped[int] = mapped_column(default=0)
+    seq: Mapped[int] = mapped_column(default=0)
+    objective: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float | None]
+    """The objective's value; None when the search stopped early (see ``upper_bound``)."""
+    upper_bound: Mapped[float | None]
+    """A search stopped early: the value it could not reach."""
+    fidelity: Mapped[float]
+    n_requests: Mapped[int]
+    bounded: Mapped[bool | None]
+    """Capacity: whether a probe missed above every probe that met (the knee was bracketed)."""
+    stopped_early: Mapped[bool] = mapped_column(default=False)
+    note: Mapped[str | None] = mapped_column(Text)
+    runs_s: Mapped[float]
+    overhead_s: Mapped[float]
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    trial: Mapped[Trial] = relationship(back_populates="measurements")
+    probes: Mapped[list[ProbeRow]] = relationship(
+        back_populates="measurement", cascade="all, delete-orphan", passive_deletes=True, order_by="ProbeRow.seq"
+    )
+
+
+class ProbeRow(Base):
+    """One replay of a measurement: a capacity probe at one arrival rate, or a single run."""
+
+    __tablename__ = "mt_probes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    measurement_id: Mapped[int] = mapped_column(ForeignKey("mt_measurements.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int]
+    rate_scale: Mapped[float]
+    rate_rps: Mapped[float | None]
+    attainment: Mapped[float]
+    met: Mapped[bool]
+    stopped: Mapped[bool]
+    """Stopped once its verdict was certain: its attainment is a bound, not the share of a full replay."""
+    n_requests: Mapped[int]
+    duration_s: Mapped[float]
+    goodput_rps: Mapped[float | None]
+    ttft_p99_ms: Mapped[float | None]
+    tpot_p99_ms: Mapped[float | None]
+
+    measurement: Mapped[MeasurementRow] = relationship(back_populates="probes")
 
 
 class RequestRow(Base):

@@ -26,9 +26,12 @@ from sqlalchemy.orm import Session
 
 from db.models import (
     BACKENDS,
+    PURPOSES,
     TRIAL_STATES,
     ExpertStatRow,
+    MeasurementRow,
     Model,
+    ProbeRow,
     RequestRow,
     StepRow,
     Study,
@@ -38,22 +41,17 @@ from db.models import (
     utcnow,
 )
 from db.session import DatabaseError
+from engine.metrics import column_metrics
+from engine.metrics import read as read_metric
 
 log = logging.getLogger(__name__)
 
 FINISHED_STATES = tuple(s for s in TRIAL_STATES if s != "running")
 
-# Trial column <- key of RunResult.summary().
-SUMMARY_COLUMNS: dict[str, str] = {
-    "output_tokens_per_s": "output_tokens_per_s",
-    "requests_per_s": "requests_per_s",
-    **{f"{m}_p{q}_ms": f"{m}_ms_p{q}" for m in ("ttft", "tpot", "e2e", "itl") for q in (50, 90, 99)},
-    "quality_top1_agreement": "quality_top1_agreement",
-    "quality_mean_kl": "quality_mean_kl",
-    "peak_rss_bytes": "peak_rss_bytes",
-    "peak_device_mem_bytes": "peak_device_mem_bytes",
-    "duration_s": "duration_s",
-}
+#: ``mt_trials`` metric columns, filled from the run summary under the same names (``engine.metrics``).
+SUMMARY_COLUMNS: tuple[str, ...] = tuple(m.name for m in column_metrics())
+#: Trial columns about how it was measured (``summary`` keys of the same names).
+MEASURE_COLUMNS = ("fidelity", "measured_s", "overhead_s")
 
 _REQUEST_KEYS = (
     "request_id",
@@ -223,6 +221,7 @@ def create_study(
     hardware: Mapping[str, Any],
     software: Mapping[str, Any],
     optuna_study_name: str | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> int:
     """The id of study ``name``, creating it the first time; re-running a study resumes it.
 
@@ -247,6 +246,7 @@ def create_study(
             "objectives": list(objectives),
             "backend": backend,
             "search_space_hash": search_space_hash,
+            "settings": json_safe(dict(settings)) if settings is not None else None,
             "created_at": utcnow(),
         },
         ["name"],
@@ -298,8 +298,7 @@ def start_trial(
         _clear_records(session, trial.id)
         for column in (
             *SUMMARY_COLUMNS,
-            "goodput_rps",
-            "slo_attainment",
+            *MEASURE_COLUMNS,
             "summary",
             "meta",
             "error",
@@ -343,10 +342,12 @@ def finish_trial(
         raise ValueError(f"state={state!r}: expected one of {', '.join(FINISHED_STATES)}")
     trial = _get_trial(session, trial_id)
     summary = json_safe(dict(result_dict.get("summary") or {}))
-    for column, key in SUMMARY_COLUMNS.items():
-        setattr(trial, column, summary.get(key))
-    trial.slo_attainment = _finite(slo_attainment)
-    trial.goodput_rps = _finite(goodput_rps)
+    for column in (*SUMMARY_COLUMNS, *MEASURE_COLUMNS):
+        setattr(trial, column, read_metric(summary, column))
+    if slo_attainment is not None:
+        trial.slo_attainment = _finite(slo_attainment)
+    if goodput_rps is not None:
+        trial.goodput_rps = _finite(goodput_rps)
     trial.summary = summary
     trial.meta = json_safe(dict(result_dict.get("meta") or {}))
     trial.state = state
@@ -380,15 +381,76 @@ def finish_trial(
     log.debug("trial %s finished (%s): %d requests", trial_id, state, len(requests))
 
 
-def fail_trial(session: Session, trial_id: int, error: str, state: str = "failed") -> None:
-    """Mark a trial failed (or ``infeasible``/``pruned``) with its error text."""
+def fail_trial(session: Session, trial_id: int, error: str, state: str = "failed",
+               summary: Mapping[str, Any] | None = None) -> None:
+    """Mark a trial failed (or ``infeasible``/``pruned``) with its error text and, when given, the
+    ``summary`` of what it measured before it stopped (its ``fidelity``, ``measured_s``, ... columns too)."""
     if state not in FINISHED_STATES or state == "complete":
         raise ValueError(f"state={state!r}: expected failed, infeasible or pruned")
     trial = _get_trial(session, trial_id)
     trial.state = state
     trial.error = error
+    if summary is not None:
+        trial.summary = json_safe(dict(summary))
+        for column in MEASURE_COLUMNS:
+            setattr(trial, column, _finite(summary.get(column)))
     trial.finished_at = utcnow()
     session.flush()
+
+
+# ------------------------------------------------------------------------------- measurements
+
+_PROBE_KEYS = ("rate_scale", "rate_rps", "attainment", "met", "stopped", "n_requests", "duration_s", "goodput_rps",
+               "ttft_p99_ms", "tpot_p99_ms")
+
+
+def add_measurement(
+    session: Session,
+    study_id: int,
+    trial_id: int,
+    *,
+    purpose: str,
+    objective: str,
+    value: float | None,
+    fidelity: float,
+    n_requests: int,
+    runs_s: float,
+    overhead_s: float,
+    probes: Iterable[Mapping[str, Any]] = (),
+    session_no: int = 0,
+    repeat: int = 0,
+    seq: int = 0,
+    upper_bound: float | None = None,
+    bounded: bool | None = None,
+    stopped_early: bool = False,
+    note: str | None = None,
+) -> int:
+    """Record one measurement of a trial's config and its replays (``probes``, in run order); returns its id."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r}: expected one of {', '.join(PURPOSES)}")
+    row = MeasurementRow(study_id=study_id, trial_id=trial_id, purpose=purpose, session=session_no, repeat=repeat,
+                         seq=seq, objective=objective, value=_finite(value), upper_bound=_finite(upper_bound),
+                         fidelity=float(fidelity), n_requests=int(n_requests), bounded=bounded,
+                         stopped_early=bool(stopped_early), note=note, runs_s=float(runs_s),
+                         overhead_s=float(overhead_s), started_at=utcnow())
+    session.add(row)
+    session.flush()
+    rows = []
+    for i, p in enumerate(probes):
+        r = {k: _finite(p.get(k)) for k in _PROBE_KEYS}
+        r.update(measurement_id=row.id, seq=i, met=bool(r["met"]), stopped=bool(r["stopped"]))
+        rows.append(r)
+    if rows:
+        session.execute(insert(cast(Table, ProbeRow.__table__)), rows)
+    return row.id
+
+
+def next_session(session: Session, study_id: int, purpose: str) -> int:
+    """The next free session number of a study's noise or confirmation runs (0 first)."""
+    last = session.scalars(select(MeasurementRow.session).where(
+        MeasurementRow.study_id == study_id, MeasurementRow.purpose == purpose)
+        .order_by(MeasurementRow.session.desc()).limit(1)).first()
+    return 0 if last is None else int(last) + 1
 
 
 # -------------------------------------------------------------------------------- reading back

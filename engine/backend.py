@@ -2,8 +2,9 @@
 
 :func:`engine.runner.run_workload` drives any :class:`Backend`: it ``start``s a run, ``add``s each
 request when the :class:`Clock` reaches its arrival, ``step``s while the backend ``has_work`` and
-``finish``es the run; ``describe`` says what ran (model, device, precisions, which backend) and
-``reconfigure`` applies a new config between runs. Two backends implement it:
+``finish``es the run (``abort`` drops a request when the caller stops the run early); ``describe``
+says what ran (model, device, precisions, which backend) and ``reconfigure`` applies a new config
+between runs. Two backends implement it:
 
 - ``live`` (:class:`engine.backend_live.LiveBackend`): the torch engine, on the wall clock;
 - ``stub`` (:class:`engine.backend_stub.StubBackend`): the same scheduler and the same expert plans,
@@ -137,6 +138,8 @@ class Backend(Protocol):
     def start(self, run: RunStart) -> None: ...
 
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence: ...
+
+    def abort(self, key: str) -> Sequence | None: ...
 
     @property
     def has_work(self) -> bool: ...

@@ -61,6 +61,9 @@ class LiveBackend:
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
         return self.engine.add(key, prompt, max_new_tokens)
 
+    def abort(self, key: str) -> Sequence | None:
+        return self.engine.abort(key)
+
     @property
     def has_work(self) -> bool:
         return self.engine.has_work

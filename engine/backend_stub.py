@@ -174,6 +174,9 @@ class StubBackend:
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
         return self.seqs.add(key, prompt, max_new_tokens)
 
+    def abort(self, key: str) -> Sequence | None:
+        return self.seqs.abort(key)
+
     @property
     def has_work(self) -> bool:
         return self.seqs.has_work

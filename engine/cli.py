@@ -125,6 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine.backend import make_backend
+    from engine.metrics import PERCENTILES, latency_name
     from engine.runner import popularity, run_workload
     from workloads.schema import load_workload
 
@@ -152,8 +153,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         ran = f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
     print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
           f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
-    rows = [{"metric": m, **{f"p{q}": s.get(f"{m}_p{q}") for q in (50, 90, 99)}, "mean": s.get(f"{m}_mean")}
-            for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
+    rows = [{"metric": f"{m}_ms", **{f"p{q}": s.get(latency_name(m, q)) for q in PERCENTILES},
+             "mean": s.get(latency_name(m))} for m in ("ttft", "tpot", "itl", "e2e")]
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
     print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
           f"{s['steps']} steps, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")

@@ -147,11 +147,11 @@ def staggered(hf, engine: Engine, n_requests: int, prompt_len: int, new_tokens: 
     return {
         "requests": n_requests, "rate_per_s": rate_per_s, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "static_batch": static_batch,
-        "engine": {"ttft_ms_p50": res["ttft_ms_p50"], "ttft_ms_p99": res["ttft_ms_p99"],
-                   "e2e_ms_p50": res["e2e_ms_p50"], "e2e_ms_p99": res["e2e_ms_p99"],
+        "engine": {"ttft_p50_ms": res["ttft_p50_ms"], "ttft_p99_ms": res["ttft_p99_ms"],
+                   "e2e_p50_ms": res["e2e_p50_ms"], "e2e_p99_ms": res["e2e_p99_ms"],
                    "output_tokens_per_s": res["output_tokens_per_s"]},
-        "transformers_static": {"ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
-                                "e2e_ms_p50": pct(e2e, 50), "e2e_ms_p99": pct(e2e, 99),
+        "transformers_static": {"ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+                                "e2e_p50_ms": pct(e2e, 50), "e2e_p99_ms": pct(e2e, 99),
                                 "output_tokens_per_s": n_requests * new_tokens / makespan},
     }
 
@@ -182,8 +182,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"staggered arrivals ({st['requests']} requests, Poisson {st['rate_per_s']}/s, prompt 64, 32 new):")
         for n in ("engine", "transformers_static"):
             s = st[n]
-            print(f"  {n:<20} TTFT p50 {s['ttft_ms_p50']:8.0f} ms  p99 {s['ttft_ms_p99']:8.0f} ms   "
-                  f"E2E p50 {s['e2e_ms_p50']:8.0f} ms  p99 {s['e2e_ms_p99']:8.0f} ms   "
+            print(f"  {n:<20} TTFT p50 {s['ttft_p50_ms']:8.0f} ms  p99 {s['ttft_p99_ms']:8.0f} ms   "
+                  f"E2E p50 {s['e2e_p50_ms']:8.0f} ms  p99 {s['e2e_p99_ms']:8.0f} ms   "
                   f"{s['output_tokens_per_s']:.1f} tok/s")
     if args.json:
         print(json.dumps(res))

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-PERCENTILES = (50, 90, 99)
+from engine.metrics import PERCENTILES, latency_name
 
 
 @dataclass
@@ -26,7 +26,7 @@ class RequestResult:
     first_token_s: float | None
     finish_s: float | None
     itl_ms: list[float]
-    finish_reason: str  # "length" | "eos" | "rejected"
+    finish_reason: str  # "length" | "eos" | "rejected" | "" (unfinished: the run was stopped early)
     tag: str | None = None
     output_ids: list[int] = field(default_factory=list)
 
@@ -116,13 +116,14 @@ class RunResult:
     """The plan of every step and MoE layer when the run kept them (``engine run --decisions``)."""
 
     def summary(self) -> dict[str, Any]:
-        """Totals and percentiles; the numbers the tuner and the dashboard read."""
-        done = [r for r in self.requests if r.finish_reason != "rejected"]
+        """Totals and percentiles under the names of ``engine.metrics.METRICS`` (``ttft_p99_ms``)."""
+        done = [r for r in self.requests if r.finish_reason not in ("rejected", "")]  # "": a run stopped early
         out_tokens = sum(r.output_tokens for r in done)
         s: dict[str, Any] = {
             "requests": len(self.requests),
             "requests_done": len(done),
-            "requests_rejected": len(self.requests) - len(done),
+            "requests_rejected": sum(r.finish_reason == "rejected" for r in self.requests),
+            "requests_unfinished": sum(r.finish_reason == "" for r in self.requests),
             "prompt_tokens": sum(r.prompt_tokens for r in done),
             "output_tokens": out_tokens,
             "duration_s": self.duration_s,
@@ -133,16 +134,16 @@ class RunResult:
             "peak_device_mem_bytes": self.peak_device_mem_bytes,
         }
         series = {
-            "ttft_ms": [r.ttft_ms for r in done],
-            "tpot_ms": [r.tpot_ms for r in done],
-            "e2e_ms": [r.e2e_ms for r in done],
-            "itl_ms": [x for r in done for x in r.itl_ms],
+            "ttft": [r.ttft_ms for r in done],
+            "tpot": [r.tpot_ms for r in done],
+            "e2e": [r.e2e_ms for r in done],
+            "itl": [x for r in done for x in r.itl_ms],
         }
         for name, vals in series.items():
             clean = [v for v in vals if v is not None]
-            s[f"{name}_mean"] = sum(clean) / len(clean) if clean else None
+            s[latency_name(name)] = sum(clean) / len(clean) if clean else None
             for q in PERCENTILES:
-                s[f"{name}_p{q}"] = percentile(clean, q)
+                s[latency_name(name, q)] = percentile(clean, q)
         if self.quality:
             s.update({f"quality_{k}": v for k, v in self.quality.items()})
         return s

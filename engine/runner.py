@@ -50,8 +50,9 @@ def run_workload(backend: Backend | Any, workload: Workload, mode: Mode = "realt
 
     ``backend`` is any :class:`~engine.backend.Backend` (an :class:`~engine.runtime.Engine` is wrapped
     as the live one). ``clock`` defaults to the backend's own. ``on_step(done, total)`` is called after
-    every step (progress bars) and ``on_progress`` with a :class:`RunProgress` (SLO watches; an
-    exception it raises ends the run). With ``record_routes`` the result's ``meta["routes"]`` holds,
+    every step (progress bars) and ``on_progress`` with a :class:`RunProgress` (SLO watches): when it
+    returns True the run stops there and returns what it measured so far, its unfinished requests
+    aborted on the backend (finish_reason ""); an exception it raises ends the run. With ``record_routes`` the result's ``meta["routes"]`` holds,
     per request key, the expert ids and gate weights of every token the model processed for it:
     arrays [tokens, moe layers, k]. With ``decisions`` the result's ``decisions`` holds the plan of
     every step and MoE layer (see :class:`~engine.moe.policy.plan.DecisionLog`).
@@ -114,8 +115,12 @@ def run_workload(backend: Backend | Any, workload: Workload, mode: Mode = "realt
                 n_done += 1
             if on_step is not None:
                 on_step(n_done, len(requests))
-            if on_progress is not None:
-                on_progress(RunProgress(end_s, n_done, len(requests), results))
+            if on_progress is not None and on_progress(RunProgress(end_s, n_done, len(requests), results)) is True:
+                # The caller has its verdict: the rest is dropped, so the backend is idle for the next run.
+                for r in requests:
+                    if not results[r.request_id].finish_reason:
+                        backend.abort(r.request_id)
+                break
     finally:
         telemetry = sampler.stop() if sampler is not None else []
         tail = backend.finish()

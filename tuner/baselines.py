@@ -8,7 +8,9 @@ lies in range: a study that pins or drops a knob skips the baselines that need i
 
 Peer-style hybrid baselines: all experts on the host (llama.cpp ``--cpu-moe``), KTransformers'
 frequency placement with a uniform per-layer budget, and Fiddler's rule (compute a missing expert
-on the host unless fetching it is cheaper). Others can be added with :func:`register`.
+on the host unless fetching it is cheaper). They place experts between a fast tier and the host, so
+they run only where an accelerator makes those two different memories. Others can be added with
+:func:`register`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class Baseline:
     name: str
     description: str
     knobs: KnobValues | Callable[[BaselineContext], KnobValues]
+    needs: str | None = None
+    """``"accelerator"``: what tells this peer apart (where experts live) exists only with a fast tier
+    apart from host memory; without one its config only reruns the defaults through the hybrid code path."""
 
     def values(self, ctx: BaselineContext) -> dict[str, Any]:
         """The knobs this baseline sets, for ``ctx``."""
@@ -114,11 +119,12 @@ def _fiddler(ctx: BaselineContext) -> dict[str, Any]:
 
 
 BASELINES += [
-    Baseline("llama.cpp --cpu-moe", "every expert on the host, attention and the rest on the fast tier", _cpu_moe),
+    Baseline("llama.cpp --cpu-moe", "every expert on the host, attention and the rest on the fast tier", _cpu_moe,
+             needs="accelerator"),
     Baseline("ktransformers-like", "the hottest experts per layer resident (a quarter of the expert bytes, "
-             "uniform per layer), the others computed on the host", _ktransformers),
+             "uniform per layer), the others computed on the host", _ktransformers, needs="accelerator"),
     Baseline("fiddler", "a quarter of the expert bytes resident; a missing expert runs on the host unless "
-             "fetching it is cheaper by calibrated costs", _fiddler),
+             "fetching it is cheaper by calibrated costs", _fiddler, needs="accelerator"),
 ]
 
 
@@ -127,19 +133,32 @@ def register(baseline: Baseline) -> None:
     BASELINES[:] = [b for b in BASELINES if b.name != baseline.name] + [baseline]
 
 
-def baseline_points(space: SearchSpace, ctx: BaselineContext,
-                    baselines: list[Baseline] | None = None) -> list[tuple[Baseline, dict[str, Any]]]:
+def baseline_points(space: SearchSpace, ctx: BaselineContext, baselines: list[Baseline] | None = None,
+                    skipped: list[tuple[str, str]] | None = None) -> list[tuple[Baseline, dict[str, Any]]]:
     """The baselines that are points of ``space``, each with its full parameter values.
 
     Parameters a baseline does not set take the base config's values. Baselines setting a knob
-    outside the space, or a value out of range, are left out (logged).
+    outside the space, or a value out of range, are left out, and so are a baseline that ``needs``
+    an accelerator on a machine without one and a baseline whose config is the same as an earlier
+    one's on this machine: each is appended to ``skipped`` as (name, why), for the caller to say.
     """
     out = []
+
+    def skip(name: str, why: str) -> None:
+        log.info("baseline %s skipped: %s", name, why)
+        if skipped is not None:
+            skipped.append((name, why))
+
+    seen: dict[str, str] = {}  # config hash -> the baseline that has it
     for b in BASELINES if baselines is None else baselines:
+        if b.needs == "accelerator" and not _has_gpu(ctx):
+            skip(b.name, "it places experts between a fast tier and the host, and without an accelerator they "
+                 "are the same memory (it would rerun the defaults)")
+            continue
         try:
             wanted = b.values(ctx)
         except (ValueError, KeyError, TypeError) as e:
-            log.info("baseline %s skipped: %s", b.name, e)
+            skip(b.name, str(e))
             continue
         values = {**space.defaults(ctx.base), **wanted}
         # Parameters the baseline turns off (a conditional child of a changed parent) drop out.
@@ -151,13 +170,20 @@ def baseline_points(space: SearchSpace, ctx: BaselineContext,
                 area, name = k.split(".", 1)
                 values[k] = getattr(getattr(ctx.base, area), name)
         problems = space.problems(values)
+        config_hash = None
         if not problems:
             try:
-                space.to_config(values, ctx.base, source=f"baseline {b.name}")
+                config_hash = space.to_config(values, ctx.base, source=f"baseline {b.name}").config_hash()
             except ValueError as e:  # ConfigError: a combination the engine rejects
                 problems = [str(e)]
         if problems:
-            log.info("baseline %s skipped: %s", b.name, "; ".join(problems))
+            skip(b.name, "; ".join(problems))
             continue
+        if config_hash in seen:
+            # Knobs that tell two peers apart may be inert here (fiddler's host/fetch choice without an
+            # accelerator): measuring the same config twice would only add noise.
+            skip(b.name, f"the same config as {seen[config_hash]} on this machine")
+            continue
+        seen[config_hash] = b.name
         out.append((b, values))
     return out

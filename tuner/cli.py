@@ -1,8 +1,9 @@
-"""tuner: search the engine's knobs against SLOs, resumably; show, export and browse studies.
+"""tuner: search the engine's knobs against SLOs, resumably; confirm, show, export and browse studies.
 
-    tuner run                      # a short study on the built-in model and workload
+    tuner run                      # a short study on the built-in model and workload, confirmed
     tuner run --model DIR --workload W --slo ttft_p99_ms=2000 --slo tpot_p99_ms=200 --timeout 8h
-    tuner show --study NAME        # best trials, SLO attainment, gain over the baselines
+    tuner confirm --study NAME     # re-run the top configs and every baseline, interleaved
+    tuner show --study NAME        # noise, confirmed gains with intervals, best trials
     tuner export --study NAME --out best.json && engine run --config best.json
     tuner list | tuner dashboard
 
@@ -22,72 +23,86 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = "builtin:qwen3_moe-tiny"
-DEFAULT_WORKLOAD = "builtin:tiny"
-DEFAULT_TRIALS = 24
+from tuner.report import fmt as _fmt
+from tuner.report import print_report, table, trial_line
 
-
-def _fmt(v: Any, spec: str = ".3g") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return str(v)
-    return format(v, spec)
-
-
-def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
-    return "\n".join(lines)
+DEFAULT_MODEL = "builtin:qwen3_moe-small"
+DEFAULT_WORKLOAD = "builtin:quick"
+DEFAULT_TRIALS = 10
+DEFAULT_FIDELITY = "0.34,1"
+DEFAULT_NOISE_REPEATS = 3
+DEFAULT_CONFIRM_REPEATS = 3
+DEFAULT_RUN_CONFIRM_TOP = 1
+DEFAULT_CONFIRM_TOP = 2
 
 
 # ------------------------------------------------------------------------------------- run
 
 
-def _trial_line(frozen: Any, objectives: list[str]) -> str:
-    from tuner.objective import ATTR_BASELINE, ATTR_ERROR, ATTR_METRICS
-    from tuner.study import feasible, trial_state
+def parse_fidelity(text: str) -> tuple[float, ...]:
+    """``"0.34,1"`` -> ``(0.34, 1.0)``: increasing shares of the workload, the last one 1."""
+    try:
+        rungs = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--fidelity {text!r}: expected increasing shares of the workload, e.g. 0.34,1") from None
+    if not rungs or rungs[-1] != 1.0 or any(not 0 < r <= 1 for r in rungs) or list(rungs) != sorted(set(rungs)):
+        raise ValueError(f"--fidelity {text!r}: expected increasing shares in (0, 1] ending with 1, e.g. 0.34,1")
+    return rungs
 
-    state = trial_state(frozen)
-    name = frozen.user_attrs.get(ATTR_BASELINE)
-    head = f"trial {frozen.number}" + (f" [{name}]" if name else "")
-    if state != "complete":
-        return f"{head} {state}: {frozen.user_attrs.get(ATTR_ERROR) or ''}".rstrip(": ")
-    m = frozen.user_attrs.get(ATTR_METRICS) or {}
-    parts = [f"{o} {_fmt(v, '.4g')}" for o, v in zip(objectives, frozen.values or [], strict=False)]
-    parts += [f"attainment {_fmt(m.get('slo_attainment'), '.0%')}",
-              f"ttft p99 {_fmt(m.get('ttft_p99_ms'), '.0f')} ms", f"tpot p99 {_fmt(m.get('tpot_p99_ms'), '.0f')} ms",
-              f"{_fmt(m.get('output_tokens_per_s'), '.1f')} tok/s",
-              *([f"top-1 agreement {m['quality_top1_agreement']:.1%}"] if m.get("quality_top1_agreement") is not None
-                else []),
-              f"reconfigure {_fmt(m.get('reconfigure_s', 0) * 1e3, '.1f')} ms"]
-    return f"{head} complete{'' if feasible(frozen) else ' (SLO missed)'}: " + ", ".join(parts)
+
+def _objectives(args: argparse.Namespace, slo: Any, workload: Any) -> list[str]:
+    from tuner.metrics import DEFAULT_OBJECTIVE, OFFLINE_OBJECTIVE, parse_objectives
+
+    if args.objectives or args.objective:
+        objectives = parse_objectives(args.objectives or args.objective)
+    else:
+        objectives = [DEFAULT_OBJECTIVE if args.mode == "realtime" else OFFLINE_OBJECTIVE]
+    if "capacity_rps" in objectives:
+        if args.mode != "realtime":
+            raise ValueError("objective capacity needs --mode realtime (capacity is a highest arrival rate); "
+                             "offline replays optimise output_tokens_per_s")
+        if slo.attainment_target is None:
+            raise ValueError("objective capacity needs per-request latency SLOs (e.g. --slo ttft_p99_ms=2000)")
+        if workload is not None and not workload.rate_per_s:
+            raise ValueError(f"objective capacity: workload {workload.name} has no arrival rate "
+                             "(every request at t=0); use --mode offline")
+        if len(objectives) > 1:
+            raise ValueError("objective capacity cannot be one of several (--objectives): it is a search per trial")
+    return objectives
+
+
+def _slo(args: argparse.Namespace) -> Any:
+    from tuner.slo import DEFAULT_SLO, SloError, SloSpec, parse_slo
+
+    slo = parse_slo(args.slo) if args.slo else parse_slo(data=DEFAULT_SLO)
+    if args.attainment is not None:
+        if not 0 < args.attainment <= 1:
+            raise SloError(f"--attainment {args.attainment}: a share, between 0 and 1")
+        given = slo.bounds.get("attainment_min")
+        if given is not None and given != args.attainment:
+            raise SloError(f"--attainment {args.attainment} and --slo attainment_min={given:g} disagree")
+        slo = SloSpec({**slo.bounds, "attainment_min": float(args.attainment)})
+    return slo
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine.config import ConfigError, EngineConfig
-    from tuner.metrics import parse_objectives
-    from tuner.slo import DEFAULT_SLO, parse_slo
     from tuner.space import parse_fixed
     from tuner.study import parse_duration
 
     # Everything a user typed is checked before any database or model work.
-    slo = parse_slo(args.slo) if args.slo else parse_slo(data=DEFAULT_SLO)
-    objectives = parse_objectives(args.objectives or args.objective)
+    slo = _slo(args)
     if args.rate_scale <= 0:
         raise ValueError(f"--rate-scale {args.rate_scale}: must be > 0")
     if args.trials < 1:
         raise ValueError(f"--trials {args.trials}: must be >= 1")
-    if args.capacity and args.mode != "realtime":
-        raise ValueError("--capacity needs --mode realtime (capacity is a highest arrival rate)")
-    if "capacity_rps" in objectives and not args.capacity:
-        raise ValueError("objective capacity_rps needs --capacity")
-    if args.capacity and slo.attainment_target is None:
-        raise ValueError("--capacity needs per-request latency SLOs (e.g. --slo ttft_p99_ms=2000)")
+    for flag in ("noise_repeats", "confirm_repeats", "confirm_top"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    rungs = parse_fidelity(args.fidelity) if not args.no_prune else (1.0,)
+    _objectives(args, slo, None)
     timeout_s = parse_duration(args.timeout) if args.timeout else None
     base = EngineConfig.from_file(args.config) if args.config else EngineConfig()
     fixed = parse_fixed(args.fix or [], base)
@@ -97,18 +112,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     from workloads.schema import load_workload
 
     workload = load_workload(args.workload)
-    if args.capacity and not workload.rate_per_s:
-        raise ValueError(f"--capacity: workload {workload.name} has no arrival rate (every request at t=0)")
+    objectives = _objectives(args, slo, workload)
     url = resolve_url(args.db)
     upgrade(url)
     db = make_engine(url)
 
     import optuna
 
-    from engine.runtime import Engine
+    from engine.backend import make_backend
     from tuner.baselines import BaselineContext, baseline_points
-    from tuner.objective import Objective, quality_available
+    from tuner.measure import Measurer, MeasureSettings
+    from tuner.metrics import latency_constraints
+    from tuner.objective import Objective
     from tuner.record import Recorder, model_identity, record_study, workload_fingerprint
+    from tuner.repeats import NoisePhase, confirm
+    from tuner.slo import study_constraints
     from tuner.space import build_space
     from tuner.study import (
         RetryLostTrial,
@@ -117,6 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         default_study_name,
         enqueue_baselines,
         full_study_name,
+        make_pruner,
         open_storage,
         open_study,
         run_trials,
@@ -129,62 +148,77 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to search: every searchable knob is pinned or inert here")
     name = full_study_name(args.study or default_study_name(args.model, args.workload), space.space_hash())
     start_config = space.to_config({}, base, source="--config/--fix")
+    capacity = objectives[0] == "capacity_rps"
+    constraints = study_constraints(slo, capacity=capacity, latency=latency_constraints(objectives, args.mode))
+    measure_settings = MeasureSettings(tuple(objectives), args.mode, args.rate_scale, args.max_requests,
+                                       tuple(constraints))
 
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     say(f"tuner: study {name} in {mask_url(url)}")
     t = time.perf_counter()
-    engine = Engine(args.model, start_config)
+    backend = make_backend(args.model, start_config, kind="live")
+    engine = backend.engine
     load_s = time.perf_counter() - t
     say(f"tuner: loaded {args.model} ({engine.spec.arch}, {engine.spec.total_params() / 1e6:.1f}M params, "
-        f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}) in {load_s:.2f} s "
-        f"(weights {engine.load_s:.2f} s), once for the whole study")
+        f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}, {engine.kernels_label} kernels) in "
+        f"{load_s:.2f} s (weights {engine.load_s:.2f} s), once for the whole study")
 
-    identity = model_identity(engine, args.model)
+    identity = model_identity(backend, args.model)
     settings = {
         "model_fingerprint": engine.fingerprint,
         "workload_fingerprint": workload_fingerprint(workload),
-        "mode": args.mode,
-        "rate_scale": args.rate_scale,
-        "max_requests": args.max_requests,
+        **measure_settings.to_dict(),
         "slo": slo.to_dict(),
-        "objectives": objectives,
-        "capacity": args.capacity,
+        "fidelity": list(rungs),
         "quality": not args.no_quality,
         "base_config_hash": start_config.config_hash(),
     }
+    stored_settings = {**settings, "model": args.model, "workload": args.workload, "noise_repeats": args.noise_repeats,
+                       "prune": not args.no_prune}
     study_id = record_study(db, name, identity=identity, workload=workload, workload_spec=args.workload,
                             slo=slo.to_dict(), objectives=objectives, space_hash=space.space_hash(),
-                            hardware=hw, software=sw)
+                            hardware=hw, software=sw, settings=stored_settings, backend=backend.kind)
     recorder = Recorder(db, study_id)
     on_lost = RetryLostTrial()
     on_lost.recorder = recorder
     storage = open_storage(url, args.heartbeat_s, on_lost)
-    study = open_study(storage, name, objectives, slo.constraint_names(), settings, seed=args.seed)
-    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config))
+    study = open_study(storage, name, objectives, constraints, settings, seed=args.seed,
+                       pruner=make_pruner(len(rungs)))
+    skipped: list[tuple[str, str]] = []
+    points = baseline_points(space, BaselineContext(engine.spec, hw, start_config), skipped=skipped)
     enqueued = enqueue_baselines(study, points, args.trials)
     if enqueued:
         say(f"tuner: baselines first: {', '.join(enqueued)}")
+    by_reason: dict[str, list[str]] = {}
+    for n, why in skipped:
+        by_reason.setdefault(why, []).append(n)
+    for why, names in by_reason.items():
+        say(f"tuner: baselines not run here: {', '.join(names)}: {why}")
+    measurer = Measurer(backend, workload, slo, measure_settings)
+    noise = NoisePhase(measurer, recorder, args.noise_repeats, say=say if not args.quiet else (lambda _m: None))
     objective = Objective(
-        engine=engine, model=args.model, workload=workload, space=space, base=base, slo=slo,
-        objectives=objectives, recorder=recorder, mode=args.mode, rate_scale=args.rate_scale,
-        capacity=args.capacity, max_requests=args.max_requests, load_s=load_s,
+        measurer=measurer, model=args.model, space=space, base=base, slo=slo, objectives=objectives,
+        recorder=recorder, constraints=constraints, rungs=rungs, load_s=load_s,
         memory_limit_bytes=int(args.memory_gib * 2**30) if args.memory_gib else None, prune=not args.no_prune,
-        quality=not args.no_quality)
-    if any(name.startswith("quality") for name in slo.bounds) and not (objective.quality and quality_available()):
-        say("tuner: warning: quality bounds are not checked: "
-            + ("--no-quality" if not objective.quality else "this engine cannot measure quality"))
+        quality=not args.no_quality, margin=noise.margin)
+    if any(n.startswith("quality") for n in slo.bounds) and not objective.quality:
+        say("tuner: warning: --no-quality: the SLO's quality bounds are not checked (each trial records "
+            "quality_check off and the bound as unmeasured)")
 
     warm_s = objective.warm_up()
     done_before = len(counted_trials(study.get_trials(deepcopy=False)))
-    say(f"tuner: SLO {slo.describe()}; objective {', '.join(objectives)}; {args.mode} replay of "
-        f"{workload.name} ({len(workload.requests)} requests, rate x{args.rate_scale:g}); "
-        f"{done_before}/{args.trials} trials done" + (f"; timeout {args.timeout}" if args.timeout else ""))
+    what = (f"capacity at attainment >= {slo.attainment_target:.0%} of {slo.describe_latency()}"
+            if capacity else ", ".join(objectives))
+    say(f"tuner: objective {what}; constraints {', '.join(constraints) or 'none'}; {args.mode} replay of "
+        f"{workload.name} ({measurer.n_requests(1.0)} requests"
+        + (f", fidelity {args.fidelity}" if len(rungs) > 1 else "") + f"); noise from {args.noise_repeats} runs "
+        f"of the defaults; {done_before}/{args.trials} trials done" + (f"; timeout {args.timeout}" if args.timeout else ""))
     show_bar = not args.quiet and sys.stderr.isatty()
     bar = tqdm(total=args.trials, initial=min(done_before, args.trials), unit="trial", desc="trials",
                disable=not show_bar, dynamic_ncols=True)
 
     def on_trial(st: optuna.Study, frozen: optuna.trial.FrozenTrial, counted: int) -> None:
-        line = _trial_line(frozen, objectives)
+        line = trial_line(frozen, objectives)
         if show_bar:
             bar.write(line)
         elif not args.quiet:
@@ -198,8 +232,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     t_run = time.perf_counter()
     interrupted = False
+    confirm_s = 0.0
     try:
-        ran = run_trials(study, objective, args.trials, timeout_s, on_trial)
+        ran = run_trials(study, objective, args.trials, timeout_s, on_trial, between=noise)
+        bar.close()
+        if args.confirm_repeats and len(objectives) == 1:
+            t = time.perf_counter()
+            confirm(measurer, db, study_id, top=args.confirm_top, repeats=args.confirm_repeats,
+                    say=say if not args.quiet else (lambda _m: None))
+            confirm_s = time.perf_counter() - t
     except KeyboardInterrupt:
         interrupted = True
         ran = -1
@@ -208,20 +249,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_s = time.perf_counter() - t_run
     if interrupted:
         say(f"tuner: interrupted; finished trials are saved. Re-run the same command to resume study {name}.")
-    report = _report(db, name)
+    report = _report(db, name, url)
     reconf = objective.reconfigure_s
     timing = {"engine_load_s": load_s, "weights_load_s": engine.load_s, "warm_up_s": warm_s, "run_s": run_s,
-              "trials_run": ran if ran >= 0 else None,
+              "noise_s": noise.ran_s, "confirm_s": confirm_s, "trials_run": ran if ran >= 0 else None,
               "reconfigure_median_s": statistics.median(reconf) if reconf else None,
               "reconfigure_max_s": max(reconf) if reconf else None}
-    say(f"tuner: {run_s:.1f} s for this run; engine load {load_s:.2f} s and warm-up {warm_s:.2f} s (once); "
-        "reconfigure between trials "
-        f"median {_fmt((timing['reconfigure_median_s'] or 0) * 1e3, '.2f')} ms, "
-        f"max {_fmt((timing['reconfigure_max_s'] or 0) * 1e3, '.1f')} ms over {len(reconf)} trials")
-    _print_report(report, say)
+    say(f"\ntuner: {run_s:.1f} s for this run (noise repeats {noise.ran_s:.1f} s, confirmation {confirm_s:.1f} s); "
+        f"engine load {load_s:.2f} s and warm-up {warm_s:.2f} s (once); reconfigure between trials median "
+        f"{_fmt((timing['reconfigure_median_s'] or 0) * 1e3, '.2f')} ms, max "
+        f"{_fmt((timing['reconfigure_max_s'] or 0) * 1e3, '.1f')} ms over {len(reconf)} trials")
+    print_report(report, say)
     db_flag = "" if not args.db else f" --db {mask_url(args.db)}"
     say("\nnext:")
     say(f"  tuner show --study {name}{db_flag}")
+    say(f"  tuner confirm --study {name}{db_flag} --repeats 5     (tighter intervals)")
     say(f"  tuner export --study {name}{db_flag} --out best.json")
     say(f"  engine run --config best.json --model {args.model} --workload {args.workload}")
     say(f"  tuner dashboard{db_flag}     (or: MOETUNE_DB={mask_url(url)} streamlit run dashboard/app.py)")
@@ -230,52 +272,60 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
-def _report(db: Any, name: str) -> dict[str, Any]:
+def cmd_confirm(args: argparse.Namespace) -> int:
+    from db.session import make_engine, mask_url, resolve_url, session_scope, upgrade
+    from engine.backend import make_backend
+    from tuner.export import find_study
+    from tuner.measure import Measurer, MeasureSettings
+    from tuner.repeats import confirm, settings_of
+    from tuner.slo import parse_slo
+    from workloads.schema import load_workload
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: must be >= 1")
+    if args.top < 0:
+        raise ValueError(f"--top {args.top}: must be >= 0")
+    url = resolve_url(args.db)
+    upgrade(url)
+    db = make_engine(url)
+    with session_scope(db) as s:
+        study = find_study(s, args.study)
+        settings = settings_of(study)
+        name, study_id = study.name, study.id
+        slo = parse_slo(data=study.slo or {})
+        model = settings.get("model") or (study.model.identity or {}).get("model") or study.model.path
+        workload_spec = settings.get("workload") or study.workload.source
+        fingerprint = study.model.fingerprint
+    say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
+    workload = load_workload(workload_spec)
+    backend = make_backend(model, kind="live")
+    engine = backend.engine
+    if engine.fingerprint != fingerprint:
+        raise ValueError(f"{model}: its weights differ from those study {name!r} was tuned on "
+                         f"(fingerprint {engine.fingerprint}, study {fingerprint})")
+    ms = MeasureSettings.from_dict(settings)
+    measurer = Measurer(backend, workload, slo, ms)
+    say(f"tuner: confirming study {name} in {mask_url(url)} on {model} and {workload.name}")
+    measurer.warm_up()
+    confirm(measurer, db, study_id, top=args.top, repeats=args.repeats, say=say)
+    report = _report(db, name, url)
+    print_report(report, say)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _report(db: Any, name: str, url: str | None = None, top: int = 5) -> dict[str, Any]:
     from db.session import session_scope
     from tuner.export import find_study, study_report
 
     with session_scope(db) as s:
-        return study_report(s, find_study(s, name))
+        report = study_report(s, find_study(s, name), top=top)
+    if url is not None:
+        from tuner.importance import importance_report
 
-
-def _print_report(report: dict[str, Any], say: Any = print) -> None:
-    objectives = report["objectives"]
-    t = report["trials"]
-    counts = ", ".join(f"{v} {k}" for k, v in t.items() if k != "total")
-    say(f"\nstudy {report['study']}: {t['total']} trials ({counts}); SLO "
-        + (", ".join(f"{k}={v:g}" for k, v in report["slo"].items()) or "none"))
-    if not report["best"]:
-        say("no complete trial yet")
-        return
-    best = report["best"][0]
-    verdict = "meets the SLO" if best["feasible"] else "NO trial met the SLO; closest"
-    vals = ", ".join(f"{o} {_fmt(best['objectives'].get(o), '.4g')}" for o in objectives)
-    say(f"best: trial {best['number']}{' [' + best['baseline'] + ']' if best['baseline'] else ''} ({verdict}): "
-        f"{vals}; attainment {_fmt(best['slo_attainment'], '.0%')}, ttft p99 {_fmt(best['ttft_p99_ms'], '.0f')} ms, "
-        f"tpot p99 {_fmt(best['tpot_p99_ms'], '.0f')} ms, {_fmt(best['output_tokens_per_s'], '.1f')} tok/s")
-    if best["changed"]:
-        say("  knobs changed from the engine defaults: "
-            + ", ".join(f"{k}={v}" for k, v in sorted(best["changed"].items())))
-    else:
-        say("  the engine defaults")
-    if report["baselines"]:
-        say(f"gain over baselines ({objectives[0]}):")
-        rows = []
-        for b in report["baselines"]:
-            g = b["gain"].get(objectives[0])
-            rows.append({"baseline": b["baseline"], "trial": b["number"], "state": b["state"],
-                         "meets SLO": "yes" if b["feasible"] else "no",
-                         objectives[0]: b["objectives"].get(objectives[0]),
-                         "gain": f"x{g:.2f}" if g is not None else ("inf" if b["objectives"].get(objectives[0]) == 0
-                                                                     else "-")})
-        say(_table(rows, ["baseline", "trial", "state", "meets SLO", objectives[0], "gain"]))
-    if len(report["best"]) > 1:
-        say("top trials:")
-        rows = [{"trial": r["number"], "state": r["state"], "meets SLO": "yes" if r["feasible"] else "no",
-                 **{o: r["objectives"].get(o) for o in objectives},
-                 "attainment": r["slo_attainment"], "ttft_p99_ms": r["ttft_p99_ms"], "tpot_p99_ms": r["tpot_p99_ms"]}
-                for r in report["best"]]
-        say(_table(rows, ["trial", "state", "meets SLO", *objectives, "attainment", "ttft_p99_ms", "tpot_p99_ms"]))
+        report["importance"] = importance_report(url, report)
+    return report
 
 
 # ------------------------------------------------------------------------------- read back
@@ -288,17 +338,12 @@ def _readonly_db(url_arg: str | None) -> Any:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from db.session import session_scope
-    from tuner.export import find_study, study_report
+    from db.session import resolve_url
 
-    db = _readonly_db(args.db)
-    with session_scope(db) as s:
-        report = study_report(s, find_study(s, args.study), top=args.top)
-    _print_report(report)
-    if report.get("reconfigure_s"):
-        r = report["reconfigure_s"]
-        print(f"reconfigure between trials: median {r['median'] * 1e3:.2f} ms, max {r['max'] * 1e3:.1f} ms; "
-              f"engine load {_fmt(report['engine_load_s'], '.2f')} s")
+    url = resolve_url(args.db)
+    db = _readonly_db(url)
+    report = _report(db, args.study, url, top=args.top)
+    print_report(report)
     if args.json:
         print(json.dumps(report))
     return 0
@@ -313,9 +358,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         data = export_config(s, find_study(s, args.study), rank=args.rank)
     path = write_export(data, args.out)
     m = data["metrics"]
-    print(f"wrote {path}: trial {data['trial']} of {data['study']} "
-          f"({'meets the SLO' if m['feasible'] else 'does not meet the SLO'}; "
-          f"goodput {_fmt(m['goodput_rps'], '.3g')} req/s, {_fmt(m['output_tokens_per_s'], '.1f')} tok/s)")
+    objective = (data.get("objectives") or ["-"])[0]
+    conf = data.get("confirmed")
+    figure = (f"confirmed {objective} {conf['median']:.4g} ({conf['lo']:.4g}-{conf['hi']:.4g}, {conf['n']} runs)"
+              if conf else f"{objective} {_fmt((m.get('objectives') or {}).get(objective), '.4g')} (not confirmed)")
+    print(f"wrote {path}: trial {data['trial']}{' [' + data['baseline'] + ']' if data['baseline'] else ''} of "
+          f"{data['study']} ({'meets the SLO' if m['feasible'] else 'does not meet the SLO'}; {figure})")
     model = (data["model"].get("identity") or {}).get("model") or data["model"]["path"]
     print(f"use it: engine run --config {path} --model {model}")
     return 0
@@ -334,7 +382,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not rows:
         print("no studies yet: run `tuner run`")
         return 0
-    print(_table(rows, ["study", "workload", "objective", "trials", "best", "best_feasible", "created_at"]))
+    print(table(rows, ["study", "workload", "objective", "trials", "best", "best_feasible", "created_at"]))
     return 0
 
 
@@ -356,6 +404,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_SLO
+
     p = argparse.ArgumentParser(prog="tuner", description=(__doc__ or "").splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what the tuner and Optuna do")
@@ -364,14 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
     def db_arg(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--db", help="results database URL (default $MOETUNE_DB, else sqlite:///moetune.db)")
 
-    r = sub.add_parser("run", help="run (or resume) a study")
+    r = sub.add_parser("run", help="run (or resume) a study, then confirm its gains")
     r.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
     r.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
     r.add_argument("--slo", action="append", metavar="NAME=VALUE|FILE",
                    help="an SLO bound (repeat), e.g. ttft_p99_ms=2000, tpot_p99_ms=200, quality_min=0.95, "
-                        "attainment_min=0.9; or a JSON file of them (default ttft_p99_ms=1000, tpot_p99_ms=100, "
-                        "quality_min=0.9)")
-    r.add_argument("--objective", default="goodput", help="what to maximise or minimise (default goodput)")
+                        "attainment_min=0.9; or a JSON file of them (default "
+                        + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_SLO.items()) + ")")
+    r.add_argument("--attainment", type=float,
+                   help="share of requests that must meet every latency bound at the capacity "
+                        f"(default {DEFAULT_ATTAINMENT:g})")
+    r.add_argument("--objective", help="what to maximise or minimise: capacity (default, realtime), "
+                                       "output_tokens_per_s (default offline), goodput, ...")
     r.add_argument("--objectives", help="several, comma-separated, for a Pareto search "
                                         "(e.g. output_tokens_per_s,tpot_p99_ms)")
     r.add_argument("--trials", type=int, default=DEFAULT_TRIALS,
@@ -381,22 +435,43 @@ def build_parser() -> argparse.ArgumentParser:
     db_arg(r)
     r.add_argument("--mode", choices=["realtime", "offline"], default="realtime",
                    help="realtime replays arrival times; offline sends every request at once")
-    r.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
+    r.add_argument("--rate-scale", type=float, default=1.0,
+                   help="divide arrival times by this (capacity: the first rate probed)")
     r.add_argument("--max-requests", type=int, help="replay only the first N requests")
-    r.add_argument("--capacity", action="store_true",
-                   help="also find each trial's capacity: the highest rate keeping attainment >= the target")
+    r.add_argument("--fidelity", default=DEFAULT_FIDELITY,
+                   help="shares of the workload a searched trial is measured on, in turn; the pruner stops "
+                        f"uncompetitive ones early (default {DEFAULT_FIDELITY})")
+    r.add_argument("--noise-repeats", type=int, default=DEFAULT_NOISE_REPEATS,
+                   help="runs of the default config that measure the noise, interleaved with the first baselines "
+                        f"(default {DEFAULT_NOISE_REPEATS})")
+    r.add_argument("--confirm-top", type=int, default=DEFAULT_RUN_CONFIRM_TOP,
+                   help=f"searched configs re-run with every baseline at the end (default {DEFAULT_RUN_CONFIRM_TOP}; "
+                        "`tuner confirm` re-runs more on demand)")
+    r.add_argument("--confirm-repeats", type=int, default=DEFAULT_CONFIRM_REPEATS,
+                   help=f"interleaved runs of each of them (default {DEFAULT_CONFIRM_REPEATS}; 0: no confirmation)")
     r.add_argument("--config", help="base engine config (JSON or a `tuner export` file) for the knobs not searched")
     r.add_argument("--fix", action="append", metavar="KNOB=VALUE", help="pin a knob (repeat); not searched")
     r.add_argument("--seed", type=int, default=0, help="sampler seed")
     r.add_argument("--heartbeat-s", type=int, default=10,
                    help="trial heartbeat; a trial silent for 3 beats is retried (default 10)")
     r.add_argument("--memory-gib", type=float, help="memory a config may use (default: what is free)")
-    r.add_argument("--no-prune", action="store_true", help="never cut a trial short")
+    r.add_argument("--no-prune", action="store_true",
+                   help="measure every trial on the whole workload, never stop one early")
     r.add_argument("--no-quality", action="store_true",
-                   help="skip measuring output quality against the full-precision reference after each run")
+                   help="skip measuring output quality against the full-precision reference")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no per-trial lines")
     r.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("confirm", help="re-run the top configs and every baseline, interleaved, with intervals")
+    c.add_argument("--study", required=True)
+    c.add_argument("--top", type=int, default=DEFAULT_CONFIRM_TOP,
+                   help=f"searched configs to confirm (default {DEFAULT_CONFIRM_TOP})")
+    c.add_argument("--repeats", type=int, default=DEFAULT_CONFIRM_REPEATS,
+                   help=f"interleaved runs of each (default {DEFAULT_CONFIRM_REPEATS}; 5 or more: bootstrap intervals)")
+    c.add_argument("--json", action="store_true")
+    db_arg(c)
+    c.set_defaults(fn=cmd_confirm)
 
     s = sub.add_parser("show", help="best trials, SLO attainment and the gain over each baseline")
     s.add_argument("--study", required=True)
@@ -428,12 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        import optuna
+    import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.ERROR)
-    except ImportError:
-        pass
+    optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.ERROR)
     from engine.model.arch import CheckpointError
     from workloads.schema import WorkloadError
 

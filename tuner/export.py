@@ -1,8 +1,10 @@
 """Reading studies back: ranking, the gain over baselines, and the exported config file.
 
 Everything here reads our ``mt_`` tables only (no Optuna, no torch), so the dashboard can use it.
-The exported file is what ``engine run --config best.json`` loads: the engine config under
-``engine_config``, plus the model, workload, hardware and SLO it was tuned for.
+A study that was confirmed (``tuner confirm``, also the end of every ``tuner run``) ranks its
+confirmed configs first, by their confirmed medians: those are the figures it exports. The exported
+file is what ``engine run --config best.json`` loads: the engine config under ``engine_config``, plus
+the model, workload, hardware and SLO it was tuned for and the confirmed figures with their intervals.
 """
 
 from __future__ import annotations
@@ -21,13 +23,18 @@ from sqlalchemy.orm import Session
 from db.models import Study, Trial
 from db.store import json_safe
 from engine.config import EngineConfig
+from engine.metrics import column_metrics
+from tuner import findings
 from tuner.metrics import OBJECTIVES, gain, pareto_ranks
 from tuner.space import flatten
+from tuner.stats import within_noise
 
 log = logging.getLogger(__name__)
 
 _HASH_SUFFIX_CHARS = 8
-HEADLINE = ("goodput_rps", "slo_attainment", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms", "e2e_p99_ms")
+#: Trial figures a report row carries.
+HEADLINE = ("capacity_rps", "goodput_rps", "slo_attainment", "output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms",
+            "e2e_p99_ms", "quality_top1_agreement")
 
 
 class StudyNotFound(LookupError):  # noqa: N818 - reads as what the user hears
@@ -70,13 +77,22 @@ def is_feasible(trial: Trial) -> bool:
 
 
 def ranked_trials(session: Session, study: Study) -> list[Trial]:
-    """Complete trials, best first: feasible before infeasible, then by the objective (several
-    objectives: by Pareto front, then by the first objective)."""
+    """Complete trials, best first: confirmed ones by their confirmed median (latest confirmation), then
+    feasible before infeasible by the objective (several objectives: by Pareto front, then by the first
+    objective)."""
     objectives = list(study.objectives)
     dirs = [OBJECTIVES[o] for o in objectives]
     trials = [t for t in session.scalars(select(Trial).where(Trial.study_id == study.id))
               if objective_values(t, objectives) is not None]
     out: list[Trial] = []
+    conf = findings.confirmation(session, study) if len(objectives) == 1 else None
+    if conf:
+        medians = {c["trial_id"]: c["interval"]["median"] for c in conf["configs"] if c["interval"]}
+        sign = -1.0 if dirs[0] == "maximize" else 1.0
+        confirmed = sorted((t for t in trials if t.id in medians and is_feasible(t)),
+                           key=lambda t: (sign * medians[t.id], t.number or 0))
+        out += confirmed
+        trials = [t for t in trials if t not in confirmed]
     for group in ([t for t in trials if is_feasible(t)], [t for t in trials if not is_feasible(t)]):
         points = [objective_values(t, objectives) or [] for t in group]
         ranks = pareto_ranks(points, dirs) if group else []
@@ -99,6 +115,9 @@ def trial_row(trial: Trial, objectives: Sequence[str]) -> dict[str, Any]:
         **{k: getattr(trial, k) for k in HEADLINE},
         "changed": {k: v for k, v in config.items() if k in defaults and v != defaults[k]},
         "config_hash": trial.config_hash,
+        "fidelity": trial.fidelity,
+        "measured_s": trial.measured_s,
+        "overhead_s": trial.overhead_s,
         "error": trial.error,
     }
     return json_safe(row)
@@ -129,8 +148,17 @@ def study_report(session: Session, study: Study, top: int = 5) -> dict[str, Any]
               if t.summary and t.summary.get("reconfigure_s") is not None]
     load = [float(t.meta["tuner"]["engine_load_s"]) for t in trials
             if t.meta and (t.meta.get("tuner") or {}).get("engine_load_s") is not None]
+    conf = findings.confirmation(session, study) if len(objectives) == 1 else None
+    noise = findings.noise_summary(session, study)
+    values = findings.searched_values(session, study)
     return json_safe({
         "study": study.name,
+        "settings": study.settings,
+        "noise": noise,
+        "confirmation": conf,
+        "within_noise": within_noise(values, findings.noise(session, study)),
+        "fidelity": findings.fidelity_stats(session, study),
+        "time": findings.time_stats(session, study),
         "model": {"path": study.model.path, "arch": study.model.arch, "fingerprint": study.model.fingerprint},
         "workload": {"name": study.workload.name, "source": study.workload.source,
                      "requests": study.workload.n_requests},
@@ -186,12 +214,14 @@ def export_config(session: Session, study: Study, rank: int = 1) -> dict[str, An
     config = EngineConfig.from_dict(trial.config, source=f"{study.name} trial {trial.number}")
     model = study.model
     workload = study.workload
-    metrics = {k: getattr(trial, k) for k in (
-        "goodput_rps", "slo_attainment", "output_tokens_per_s", "requests_per_s",
-        *(f"{m}_p{q}_ms" for m in ("ttft", "tpot", "e2e", "itl") for q in (50, 90, 99)),
-        "quality_top1_agreement", "quality_mean_kl", "peak_rss_bytes", "duration_s")}
+    metrics = {m.name: getattr(trial, m.name) for m in column_metrics()}
     metrics["objectives"] = (trial.summary or {}).get("objectives")
     metrics["feasible"] = is_feasible(trial)
+    conf = findings.confirmation(session, study) if len(study.objectives) == 1 else None
+    confirmed = findings.confirmed_interval(conf, trial.number)
+    gains = None
+    if conf and conf["best"] and conf["best"]["number"] == trial.number:
+        gains = [{"over": g["baseline"], **(g["gain"] or {}), "verdict": g["verdict"]} for g in conf["gains"]]
     return json_safe({
         "engine_config": config.to_dict(),
         "config_hash": config.config_hash(),
@@ -204,6 +234,9 @@ def export_config(session: Session, study: Study, rank: int = 1) -> dict[str, An
         "slo": study.slo,
         "objectives": list(study.objectives),
         "metrics": metrics,
+        "confirmed": confirmed.to_dict() if confirmed else None,
+        "gains": gains,
+        "noise": findings.noise_summary(session, study),
         "study": study.name,
         "trial": trial.number,
         "baseline": trial.baseline_name,

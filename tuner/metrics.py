@@ -1,7 +1,7 @@
 """The numbers a trial reports and the objectives a study may optimise (pure; no torch).
 
-Trial metrics use the results database's column names (``ttft_p99_ms``), not the run summary's
-(``ttft_ms_p99``).
+Every name comes from the one metrics table, ``engine.metrics.METRICS``: a metric with a direction
+is an objective.
 """
 
 from __future__ import annotations
@@ -10,23 +10,18 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.results import PERCENTILES
+from engine.metrics import METRICS, column_metrics
+from engine.metrics import read as read_metric
 
-#: Objective name -> direction. ``goodput`` is short for ``goodput_rps``.
-OBJECTIVES: dict[str, str] = {
-    "goodput_rps": "maximize",
-    "goodput_tokens_per_s": "maximize",
-    "slo_attainment": "maximize",
-    "output_tokens_per_s": "maximize",
-    "requests_per_s": "maximize",
-    "capacity_rps": "maximize",
-    "quality_top1_agreement": "maximize",
-    "quality_mean_kl": "minimize",
-    "peak_rss_bytes": "minimize",
-    **{f"{m}_p{q}_ms": "minimize" for m in ("ttft", "tpot", "e2e", "itl") for q in PERCENTILES},
-}
+#: Objective name -> direction: every metric of the table that has one.
+OBJECTIVES: dict[str, str] = {m.name: m.direction for m in METRICS.values() if m.direction is not None}
 OBJECTIVE_ALIASES = {"goodput": "goodput_rps", "throughput": "output_tokens_per_s", "capacity": "capacity_rps"}
-DEFAULT_OBJECTIVE = "goodput_rps"
+#: The default objective: capacity at the SLO (realtime replays with per-request latency bounds);
+#: offline replays default to throughput.
+DEFAULT_OBJECTIVE = "capacity_rps"
+OFFLINE_OBJECTIVE = "output_tokens_per_s"
+#: Objectives whose value depends on per-request latency bounds: they keep the latency constraints.
+LATENCY_OBJECTIVES = ("goodput_rps", "goodput_tokens_per_s", "slo_attainment")
 
 
 class ObjectiveError(ValueError):
@@ -56,20 +51,21 @@ def directions(objectives: Sequence[str]) -> list[str]:
 
 
 def trial_metrics(summary: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The headline numbers of a run summary under the database's names, plus ``extra``."""
-    out: dict[str, Any] = {
-        "output_tokens_per_s": summary.get("output_tokens_per_s"),
-        "requests_per_s": summary.get("requests_per_s"),
-        "duration_s": summary.get("duration_s"),
-        "peak_rss_bytes": summary.get("peak_rss_bytes"),
-        "quality_top1_agreement": summary.get("quality_top1_agreement"),
-        "quality_mean_kl": summary.get("quality_mean_kl"),
-    }
-    for m in ("ttft", "tpot", "e2e", "itl"):
-        for q in PERCENTILES:
-            out[f"{m}_p{q}_ms"] = summary.get(f"{m}_ms_p{q}")
+    """The ``mt_trials`` metrics of a run summary (old spellings read too), plus ``extra``."""
+    out: dict[str, Any] = {m.name: read_metric(summary, m.name) for m in column_metrics()}
     out.update(extra or {})
     return out
+
+
+def latency_constraints(objectives: Sequence[str], mode: str) -> bool:
+    """Whether per-request latency bounds and the attainment floor are constraints of a study.
+
+    Not under the capacity objective (they define its knee: the rate is what is measured), and not in
+    an offline replay unless an objective itself depends on them (goodput, attainment).
+    """
+    if "capacity_rps" in objectives:
+        return False
+    return mode != "offline" or any(o in LATENCY_OBJECTIVES for o in objectives)
 
 
 def objective_values(metrics: Mapping[str, Any], objectives: Sequence[str]) -> list[float] | str:

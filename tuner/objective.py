@@ -1,21 +1,35 @@
-"""The Optuna objective: sample, build a validated config, reconfigure, run, return numbers.
+"""The Optuna objective: sample, build a validated config, reconfigure, measure, return numbers.
 
-The model is loaded once per worker (:class:`Objective` holds the engine) and reconfigured between
-trials; the seconds each reconfiguration took are stored with the trial. Outcomes:
+The model is loaded once per worker and reconfigured between trials (:class:`tuner.measure.Measurer`).
+A trial's config is first checked for its quality floor (cached by the knobs that change the maths),
+then measured fidelity by fidelity (a prefix of the workload, then all of it):
 
-- complete: the run finished; its requests, steps, experts and telemetry are stored;
-- infeasible: the engine rejects the config or it cannot fit in memory; decided in milliseconds,
-  before any model work (Optuna: pruned, with every constraint violated);
-- pruned: single-objective studies stop a run once attainment can no longer reach the target;
+- the capacity search is warm-started from the best capacity of the study at that fidelity and stops
+  after one probe when the config cannot beat it beyond the study's noise;
+- after each prefix the intermediate value goes to Optuna's pruner (successive halving): a trial that
+  is not competitive stops there;
+- baselines are measured at every fidelity and never stopped (their numbers are the reference).
+
+Outcomes:
+
+- complete: measured on the whole workload; its best replay's requests, steps, experts and
+  telemetry are stored, every probe of every fidelity too;
+- infeasible: the engine rejects the config, it cannot fit in memory, or its output quality is below
+  the floor; decided before any replay (Optuna: pruned, with every constraint violated);
+- pruned: stopped early (cannot beat the best so far, or the pruner cut it at a prefix; goodput
+  studies: the SLO could no longer be met);
 - failed: the run crashed or ran out of memory (the error text is stored; the study goes on).
+
+Every trial records its time: reconfigure, warm-up, replays, quality check and the overhead between.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -24,15 +38,14 @@ import psutil
 import torch
 
 from db.store import stable_hash
-from engine.config import ConfigError, EngineConfig
-from engine.runner import run_workload
+from engine.config import ConfigError, EngineConfig, merge_flat
 from engine.runtime import Engine, pick_dtype, weights_key
+from tuner.capacity import REL_TOL
 from tuner.feasibility import estimate_memory, memory_problem
-from tuner.metrics import objective_values, trial_metrics
+from tuner.measure import Measurement, Measurer, QualityCheck, quality_key
 from tuner.record import Recorder
-from tuner.slo import SloSpec, evaluate, find_capacity
+from tuner.slo import SLO_METRICS, SloSpec, evaluate
 from tuner.space import SearchSpace
-from tuner.watch import CutShort, SloWatch, WatchedEngine
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,8 @@ ATTR_METRICS = "metrics"
 ATTR_ERROR = "error"
 ATTR_INTERRUPTED = "interrupted"
 ATTR_RETRY_OF = "retry_of"
+ATTR_RUNGS = "rung_values"
+"""``{rung index: value}`` of the fidelities a trial was measured at (stopped searches not included)."""
 
 
 class TrialFailed(Exception):  # noqa: N818 - Optuna's `catch` names what happened, like TrialPruned
@@ -54,26 +69,44 @@ class TrialFailed(Exception):  # noqa: N818 - Optuna's `catch` names what happen
 class Objective:
     """Callable objective for ``study.optimize``; one per worker process."""
 
-    engine: Engine
+    measurer: Measurer
     model: str
-    workload: Any  # workloads.schema.Workload
     space: SearchSpace
     base: EngineConfig
     slo: SloSpec
     objectives: list[str]
     recorder: Recorder
-    mode: str = "realtime"
-    rate_scale: float = 1.0
-    capacity: bool = False
-    max_requests: int | None = None
+    constraints: list[str]
+    """The SLO bounds every trial is checked against (``tuner.slo.study_constraints``)."""
+    rungs: tuple[float, ...] = (1.0,)
+    """Fidelities (shares of the workload) a trial is measured at, ending with 1."""
     load_s: float = 0.0
     memory_limit_bytes: int | None = None
     """Memory a config may use beyond what the process holds; None: what the machine has free."""
     prune: bool = True
     quality: bool = True
-    """Measure output quality against the full-precision reference after each run (when the engine can)."""
+    """Measure output quality against the full-precision reference (False: no check runs, and every
+    trial records ``quality_check: "off"``)."""
+    margin: Callable[[], float] = lambda: REL_TOL
+    """The early-stop margin: the study's measured noise (relative spread of the objective) once known."""
     reconfigure_s: list[float] = field(default_factory=list)
     _engine_suspect: bool = False
+    _quality_cache: dict[str, dict[str, float] | None] = field(default_factory=dict)
+    _check: QualityCheck = field(default_factory=QualityCheck)
+
+    @property
+    def engine(self) -> Engine:
+        return self.measurer.engine
+
+    @property
+    def single(self) -> bool:
+        return len(self.objectives) == 1
+
+    @property
+    def direction(self) -> str:
+        from tuner.metrics import OBJECTIVES
+
+        return OBJECTIVES[self.objectives[0]]
 
     # ---------------------------------------------------------------------------- the objective
     def __call__(self, trial: optuna.Trial) -> float | Sequence[float]:
@@ -83,10 +116,7 @@ class Objective:
         try:
             config = self.space.to_config(values, self.base, source=source)
         except ConfigError as e:
-            raw = self.base.to_dict()  # the config as asked for, unvalidated
-            for key, value in {**self.space.fixed, **values}.items():
-                area, name = key.split(".", 1)
-                raw.setdefault(area, {})[name] = value
+            raw = merge_flat(self.base.to_dict(), {**self.space.fixed, **values}, source)  # as asked, unvalidated
             trial_id = self.recorder.start(trial.number, raw, stable_hash(raw), baseline)
             self._stop(trial, trial_id, "infeasible", str(e))
         trial_id = self.recorder.start(trial.number, config.to_dict(), config.config_hash(), baseline)
@@ -96,8 +126,8 @@ class Objective:
             self._stop(trial, trial_id, "infeasible", f"{source}: {problem}")
         try:
             return self._run(trial, trial_id, config, baseline)
-        except CutShort as e:
-            self._stop(trial, trial_id, "pruned", str(e))
+        except optuna.TrialPruned:
+            raise
         except KeyboardInterrupt:
             self.recorder.fail(trial_id, "interrupted before the run finished", "failed")
             trial.set_user_attr(ATTR_INTERRUPTED, True)
@@ -119,107 +149,147 @@ class Objective:
             raise TrialFailed(msg) from e
 
     def warm_up(self, n_requests: int = 2) -> float:
-        """Run the first few requests once, unrecorded, so the first trial (the defaults baseline)
+        """Replay the first few requests once, unrecorded, so the first trial (the defaults baseline)
         does not pay for first-use costs (allocator, kernel selection); returns seconds."""
-        t = time.perf_counter()
-        run_workload(self.engine, self.workload, mode="offline", max_requests=n_requests)
-        return time.perf_counter() - t
+        return self.measurer.warm_up(n_requests)
 
     # ------------------------------------------------------------------------------- the parts
     def _run(self, trial: optuna.Trial, trial_id: int, config: EngineConfig,
              baseline: str | None) -> float | Sequence[float]:
-        reconfigure_s = self._reconfigure(config)
-        requests = list(self.workload.requests)[: self.max_requests or None]
-        arrivals = {r.request_id: 0.0 if self.mode == "offline" else r.arrival_s / self.rate_scale
-                    for r in requests}
-        watched = WatchedEngine(self.engine, arrivals)
-        watch = SloWatch(watched, self.slo)
-        # Baselines always run to the end: the gain over them needs their numbers.
-        prune = self.prune and baseline is None and len(self.objectives) == 1 and watch.enabled
-        on_step = watch if prune else None
-        result = run_workload(watched, self.workload, mode=self.mode, rate_scale=self.rate_scale,  # type: ignore[arg-type]
-                              max_requests=self.max_requests, on_step=on_step)
-        quality_s = None
-        if self.quality:
-            t = time.perf_counter()
-            measured = measure_quality(self.engine)
-            quality_s = time.perf_counter() - t
-            if measured is not None:
-                result.quality = {k: float(measured[k]) for k in ("top1_agreement", "mean_kl") if k in measured}
-        summary = result.summary()
-        slo_result = evaluate(result.requests, summary, result.duration_s, self.slo)
-        extra: dict[str, Any] = {
-            "goodput_rps": slo_result.goodput_rps,
-            "goodput_tokens_per_s": slo_result.goodput_tokens_per_s,
-            "slo_attainment": slo_result.attainment,
-            "reconfigure_s": reconfigure_s,
-            "quality_s": quality_s,
-        }
-        if self.capacity:
-            extra.update(self._capacity(slo_result.attainment))
-        metrics = trial_metrics(summary, extra)
-        objective = objective_values(metrics, self.objectives)
-        summary.update(extra)
-        summary.update(
-            objectives=dict(zip(self.objectives, objective, strict=True)) if isinstance(objective, list) else None,
-            constraints=slo_result.constraints,
-            feasible=slo_result.feasible,
-            slo_unmeasured=slo_result.unmeasured,
-        )
-        result_dict = result.to_dict()
+        t_trial = time.perf_counter()
+        timing = self.measurer.apply(config, fresh=self._engine_suspect)
+        self._engine_suspect = False
+        self.reconfigure_s.append(timing["reconfigure_s"])
+        t = time.perf_counter()
+        quality, cached = self._quality(config)
+        timing["quality_s"] = time.perf_counter() - t
+        timing["quality_cached"] = cached
+        low = self._quality_problem(quality)
+        if low:
+            self._stop(trial, trial_id, "infeasible", f"trial {trial.number}: {low}; not measured further",
+                       summary=self._timing(timing, [], t_trial, quality))
+        rungs = self.effective_rungs() if self.single else (1.0,)
+        done: list[Measurement] = []
+        rung_values: dict[str, float] = {}
+        margin = self.margin()
+        for i, fidelity in enumerate(rungs):
+            last = i == len(rungs) - 1
+            searched = baseline is None and self.prune and self.single
+            incumbent = incumbent_value(trial.study, i, self.direction) if searched else None
+            start = incumbent_value(trial.study, i, self.direction) or None
+            start_scale = None
+            if start is None and done and done[-1].capacity is not None and done[-1].capacity.rate_scale > 0:
+                start_scale = done[-1].capacity.rate_scale
+            m = self.measurer.measure(
+                fidelity, start_rps=start, start_scale=start_scale, incumbent_rps=incumbent,
+                margin=margin, quality=quality, stop_on_miss=searched and not self.measurer.settings.capacity)
+            done.append(m)
+            self.recorder.measurement(trial_id, "search", m)
+            summary = self._timing(timing, done, t_trial, quality)
+            if m.stopped_early:
+                self._stop(trial, trial_id, "pruned", f"{_fidelity(fidelity)}: {m.reason}", summary=summary)
+            if m.values is None:
+                raise TrialFailed(m.reason or "the objective was not measured")
+            rung_values[str(i)] = m.values[0]
+            trial.set_user_attr(ATTR_RUNGS, rung_values)
+            if self.single and len(rungs) > 1:
+                trial.report(m.values[0], step=i + 1)  # successive halving's first rung is step 1
+                if not last and searched and trial.should_prune():
+                    self._stop(trial, trial_id, "pruned",
+                               f"{_fidelity(fidelity)}: {self.objectives[0]} {m.values[0]:.4g} is not among the best "
+                               "at this fidelity (successive halving); not measured on the whole workload",
+                               summary=summary)
+        return self._finish(trial, trial_id, baseline, done, timing, t_trial, quality)
+
+    def effective_rungs(self) -> tuple[float, ...]:
+        """The fidelity rungs that replay different numbers of requests (a prefix as long as the whole
+        workload is the whole workload)."""
+        by_n: dict[int, float] = {}
+        for f in self.rungs:
+            by_n[self.measurer.n_requests(f)] = f  # the last fidelity with that many requests
+        return tuple(sorted(by_n.values()))
+
+    def _finish(self, trial: optuna.Trial, trial_id: int, baseline: str | None, done: list[Measurement],
+                timing: dict[str, Any], t_trial: float, quality: Mapping[str, float] | None
+                ) -> float | Sequence[float]:
+        final = done[-1]
+        best = final.best
+        assert best is not None and final.values is not None
+        figures = self.measurer.figures(best, quality, final.capacity)
+        checked = evaluate(best.result.requests, {**best.summary, **figures}, best.result.duration_s, self.slo,
+                           self.constraints)
+        summary: dict[str, Any] = {**best.summary, **{k: v for k, v in figures.items() if v is not None}}
+        objective = dict(zip(self.objectives, final.values, strict=True))
+        summary.update(self._timing(timing, done, t_trial, quality))
+        summary.update(objectives=objective, constraints=checked.constraints, feasible=checked.feasible,
+                       slo_unmeasured=checked.unmeasured, best_replay={
+                           "rate_scale": best.rate_scale, "rate_rps": best.rate_rps, "stopped": best.stopped})
+        if final.capacity is not None:
+            c = final.capacity
+            base = self.measurer.base_rate(final.n_requests) or 0.0
+            summary.update(capacity_bounded=c.bounded, capacity_lo_rps=(c.lo or 0.0) * base,
+                           capacity_hi_rps=c.hi * base if c.hi is not None else None, capacity_probes=len(c.probes))
+        result_dict = best.result.to_dict()
         result_dict["summary"] = summary
         result_dict["meta"]["tuner"] = {
-            "trial": trial.number,
-            "baseline": baseline,
-            "params": dict(trial.params),
-            "reconfigure_s": reconfigure_s,
-            "engine_load_s": self.load_s,
+            "trial": trial.number, "baseline": baseline, "params": dict(trial.params),
+            "reconfigure_s": timing["reconfigure_s"], "engine_load_s": self.load_s,
             "weights_load_s": self.engine.load_s,
         }
-        self.recorder.finish(trial_id, result_dict, slo_attainment=slo_result.attainment,
-                             goodput_rps=slo_result.goodput_rps, met=slo_result.met)
-        set_constraints(trial, slo_result.constraints)
-        trial.set_user_attr(ATTR_METRICS, {k: v for k, v in metrics.items() if v is not None})
-        if isinstance(objective, str):
-            trial.set_user_attr(ATTR_STATE, "failed")
-            trial.set_user_attr(ATTR_ERROR, objective)
-            raise TrialFailed(objective)
+        self.recorder.finish(trial_id, result_dict, met=best.slo.met)
+        set_constraints(trial, checked.constraints)
+        trial.set_user_attr(ATTR_METRICS, {k: v for k, v in figures.items() if v is not None})
         trial.set_user_attr(ATTR_STATE, "complete")
-        log.info("trial %d: %s; reconfigure %.3fs", trial.number,
-                 ", ".join(f"{k}={v:.4g}" for k, v in zip(self.objectives, objective, strict=True)),
-                 reconfigure_s)
-        return objective[0] if len(objective) == 1 else objective
+        log.info("trial %d: %s; %.1f s of replays, %.2f s overhead", trial.number,
+                 ", ".join(f"{k}={v:.4g}" for k, v in objective.items()), summary["measured_s"], summary["overhead_s"])
+        return final.values[0] if self.single else final.values
 
-    def _reconfigure(self, config: EngineConfig) -> float:
-        if self._engine_suspect:
-            # After a crash mid-run the engine's state is unknown: load it afresh.
-            t = time.perf_counter()
-            self.engine = Engine(self.engine.model_path, config)
-            self._engine_suspect = False
-            seconds = time.perf_counter() - t
-        else:
-            seconds = self.engine.reconfigure(config)
-        self.reconfigure_s.append(seconds)
-        return seconds
+    def _timing(self, timing: Mapping[str, Any], done: list[Measurement], t_trial: float,
+                quality: Mapping[str, float] | None) -> dict[str, Any]:
+        """The trial's time budget: replays (measured), quality check, and the overhead around them."""
+        wall = time.perf_counter() - t_trial
+        measured = sum(m.runs_s for m in done)
+        quality_s = 0.0 if timing.get("quality_cached") else float(timing.get("quality_s") or 0.0)
+        out: dict[str, Any] = {
+            "reconfigure_s": timing["reconfigure_s"], "warm_up_s": timing["warm_up_s"], "quality_s": quality_s,
+            "quality_cached": bool(timing.get("quality_cached")), "measured_s": measured,
+            "overhead_s": max(0.0, wall - measured - quality_s), "wall_s": wall,
+            "fidelity": done[-1].fidelity if done else 0.0,
+            "fidelities": [{"fidelity": m.fidelity, "n_requests": m.n_requests, "value": m.value,
+                            "upper_bound": m.upper_bound, "stopped_early": m.stopped_early, "runs_s": m.runs_s,
+                            "probes": len(m.replays)} for m in done],
+        }
+        if quality:
+            out.update({f"quality_{k}": v for k, v in quality.items()})
+        # Which path produced the quality figures: measured, or no check at all (--no-quality).
+        out["quality_check"] = ("cached" if timing.get("quality_cached") else "measured") if quality else "off"
+        return out
 
-    def _capacity(self, attainment_now: float) -> dict[str, Any]:
-        target = self.slo.attainment_target
-        if target is None:
-            return {}
+    def _quality(self, config: EngineConfig) -> tuple[dict[str, float] | None, bool]:
+        """Top-1 agreement and mean KL of ``config`` against the full-precision reference, measured
+        once per setting of the knobs that change the maths; returns (quality, from the cache)."""
+        if not self.quality:
+            return None, False
+        key = quality_key(config)
+        if key in self._quality_cache:
+            return self._quality_cache[key], True
+        got = self._check(self.engine)
+        self._quality_cache[key] = got
+        return got, False
 
-        def attainment_at(scale: float) -> float:
-            if scale == self.rate_scale:
-                return attainment_now
-            r = run_workload(self.engine, self.workload, mode="realtime", rate_scale=scale,
-                             max_requests=self.max_requests)
-            return evaluate(r.requests, r.summary(), r.duration_s, self.slo).attainment
-
-        cap = find_capacity(attainment_at, target, self.rate_scale)
-        arrivals = [r.arrival_s for r in list(self.workload.requests)[: self.max_requests or None]]
-        span_s = max(arrivals) - min(arrivals) if arrivals else 0.0
-        base_rate = (len(arrivals) - 1) / span_s if span_s > 0 else 0.0  # requests/s at rate scale 1
-        return {"capacity_rate_scale": cap.rate_scale, "capacity_rps": cap.rate_scale * base_rate,
-                "capacity_bounded": cap.bounded, "capacity_probes": [list(p) for p in cap.probes]}
+    def _quality_problem(self, quality: Mapping[str, float] | None) -> str | None:
+        """Why ``quality`` misses a quality bound of the SLO, or None."""
+        if not quality:
+            return None
+        figures = {f"quality_{k}": v for k, v in quality.items()}
+        for name in self.constraints:
+            m = SLO_METRICS[name]
+            if not m.summary_key.startswith("quality_") or figures.get(m.summary_key) is None:
+                continue
+            value, limit = figures[m.summary_key], self.slo.bounds[name]
+            if (m.bound == "min" and value < limit) or (m.bound == "max" and value > limit):
+                return f"quality {m.summary_key} {value:.4g} misses {name}={limit:g}"
+        return None
 
     def _memory_problem(self, config: EngineConfig) -> str | None:
         e = self.engine
@@ -247,14 +317,35 @@ class Objective:
             available = psutil.virtual_memory().available
         return memory_problem(estimate, available)
 
-    def _stop(self, trial: optuna.Trial, trial_id: int, state: str, why: str) -> NoReturn:
+    def _stop(self, trial: optuna.Trial, trial_id: int, state: str, why: str,
+              summary: Mapping[str, Any] | None = None) -> NoReturn:
         """Record an infeasible or pruned trial and tell Optuna (pruned, every constraint violated)."""
-        self.recorder.fail(trial_id, why, state)
+        self.recorder.fail(trial_id, why, state, summary=summary)
         trial.set_user_attr(ATTR_STATE, state)
         trial.set_user_attr(ATTR_ERROR, why)
-        set_constraints(trial, {n: 1.0 for n in self.slo.constraint_names()})
+        set_constraints(trial, {n: 1.0 for n in self.constraints})
         log.info("trial %d %s: %s", trial.number, state, why)
         raise optuna.TrialPruned(why)
+
+
+def incumbent_value(study: optuna.Study, rung: int, direction: str = "maximize") -> float | None:
+    """The best value any trial of ``study`` reached at fidelity rung ``rung`` (None: none yet).
+
+    Read from the trials' own records (``ATTR_RUNGS``), so workers sharing a study share incumbents;
+    searches stopped early never record a value and never become the incumbent.
+    """
+    best: float | None = None
+    for t in study.get_trials(deepcopy=False):
+        v = (t.user_attrs.get(ATTR_RUNGS) or {}).get(str(rung))
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if best is None or (v > best if direction == "maximize" else v < best):
+            best = float(v)
+    return best
+
+
+def _fidelity(fidelity: float) -> str:
+    return "whole workload" if fidelity >= 1 else f"{fidelity:.0%} of the workload"
 
 
 #: Optuna >= 5 takes constraints from the trial (``set_constraint``); older ones from a sampler's
@@ -279,25 +370,6 @@ def constraints_of(names: Sequence[str]):
         return [float(stored.get(n, 1.0)) for n in names]
 
     return constraints
-
-
-def quality_available() -> bool:
-    """Whether this engine can measure output quality (``engine.quality``)."""
-    try:
-        from engine.quality import evaluate  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def measure_quality(engine: Engine) -> dict[str, Any] | None:
-    """Top-1 agreement and mean KL of the engine's current config against its full-precision
-    reference (``engine.quality.evaluate``), or None when the engine cannot measure it."""
-    try:
-        from engine.quality import evaluate as quality_of
-    except ImportError:
-        return None
-    return dict(quality_of(engine))
 
 
 def _one_line(e: BaseException) -> str:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, select
 
 from db.models import Trial
 from db.session import session_scope
 from db.store import (
+    add_measurement,
     create_study,
     fail_trial,
     finish_trial,
@@ -20,20 +21,23 @@ from db.store import (
     start_trial,
 )
 
+if TYPE_CHECKING:
+    from tuner.measure import Measurement
+
 log = logging.getLogger(__name__)
 
 
-def model_identity(engine: Any, model: str) -> dict[str, Any]:
-    """The identity of a loaded ``engine.runtime.Engine``'s model, as ``mt_models`` stores it."""
-    spec = engine.spec
-    identity = spec.identity(engine.fingerprint)
+def model_identity(backend: Any, model: str) -> dict[str, Any]:
+    """The identity of a backend's model (``engine.backend.Backend``), as ``mt_models`` stores it."""
+    identity = backend.model_identity()
+    described = backend.describe()["model"]
     return {
         **identity,
-        "path": str(engine.model_path),
+        "path": str(described["path"]),
         "model": model,
-        "n_params": spec.total_params(),
+        "n_params": backend.spec.total_params(),
         "shapes": {k: v for k, v in identity.items() if k != "fingerprint"},
-        "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),
+        "checkpoint_dtype": described["dtype"],
     }
 
 
@@ -54,8 +58,11 @@ def record_study(
     space_hash: str,
     hardware: Mapping[str, Any],
     software: Mapping[str, Any],
+    settings: Mapping[str, Any] | None = None,
+    backend: str = "live",
 ) -> int:
-    """Create (or find, when resuming) the ``mt_studies`` row; returns its id."""
+    """Create (or find, when resuming) the ``mt_studies`` row; returns its id. ``backend``: the kind of
+    the backend whose replays produce the study's results (``engine.backend.Backend.kind``)."""
     with session_scope(db) as s:
         model_id = get_or_create_model(s, identity)
         workload_id = get_or_create_workload(
@@ -72,13 +79,14 @@ def record_study(
             name,
             model_id=model_id,
             workload_id=workload_id,
-            backend="live",
+            backend=backend,
             search_space_hash=space_hash,
             objectives=list(objectives),
             slo=slo,
             hardware=hardware,
             software=software,
             optuna_study_name=name,
+            settings=settings,
         )
 
 
@@ -96,17 +104,27 @@ class Recorder:
             return start_trial(s, self.study_id, number, config, config_hash,
                                is_baseline=baseline is not None, baseline_name=baseline)
 
-    def finish(self, trial_id: int, result_dict: Mapping[str, Any], *, slo_attainment: float,
-               goodput_rps: float, met: Mapping[str, bool]) -> None:
-        """Store a complete run with its per-request SLO verdicts."""
+    def finish(self, trial_id: int, result_dict: Mapping[str, Any], *, met: Mapping[str, bool]) -> None:
+        """Store a complete trial (its best replay, whose summary carries the trial's figures) with its
+        per-request SLO verdicts."""
         with session_scope(self.db) as s:
-            finish_trial(s, trial_id, result_dict, "complete", slo_attainment=slo_attainment,
-                         goodput_rps=goodput_rps, met_slo_per_request=met)
+            finish_trial(s, trial_id, result_dict, "complete", met_slo_per_request=met)
 
-    def fail(self, trial_id: int, error: str, state: str = "failed") -> None:
-        """Mark a trial failed, infeasible or pruned, with why."""
+    def fail(self, trial_id: int, error: str, state: str = "failed", summary: Mapping[str, Any] | None = None) -> None:
+        """Mark a trial failed, infeasible or pruned, with why (and what it measured before it stopped)."""
         with session_scope(self.db) as s:
-            fail_trial(s, trial_id, error, state=state)
+            fail_trial(s, trial_id, error, state=state, summary=summary)
+
+    def measurement(self, trial_id: int, purpose: str, m: Measurement, *, session_no: int = 0, repeat: int = 0,
+                    seq: int = 0) -> int:
+        """Store one measurement of a trial's config with every replay it ran; returns its id."""
+        with session_scope(self.db) as s:
+            return add_measurement(
+                s, self.study_id, trial_id, purpose=purpose, objective=m.objectives[0], value=m.value,
+                fidelity=m.fidelity, n_requests=m.n_requests, runs_s=m.runs_s, overhead_s=m.overhead_s,
+                probes=[r.row() for r in m.replays], session_no=session_no, repeat=repeat, seq=seq,
+                upper_bound=m.upper_bound, bounded=m.capacity.bounded if m.capacity is not None else None,
+                stopped_early=m.stopped_early, note=m.reason or None)
 
     def mark_lost(self, number: int, reason: str) -> None:
         """A trial whose worker died while it ran (its heartbeat stopped): failed, with why."""

@@ -1,4 +1,4 @@
-"""Service-level objectives: parsing, per-request attainment, goodput and capacity (pure code).
+"""Service-level objectives: parsing, per-request attainment, goodput, early verdicts (pure code).
 
 An SLO spec is a set of bounds named from a fixed table (:data:`SLO_METRICS`)::
 
@@ -9,7 +9,7 @@ TTFT, TPOT and end-to-end latency are within the latency bounds given (for a met
 several percentiles, the loosest bound). *SLO attainment* is the share of the workload's requests
 that meet it (DistServe); *goodput* is the requests per second (and output tokens per second) of
 those requests (vLLM ``--goodput``); *capacity* is the highest arrival-rate scale at which
-attainment stays at or above the target (DistServe goodput@90), found by bisection.
+attainment stays at or above the target (DistServe goodput@90), searched by ``tuner.capacity``.
 
 Each bound is also an aggregate constraint checked on the run's summary (``ttft_p99_ms`` against
 the run's p99 TTFT), as a normalised value for Optuna's ``constraints_func``: <= 0 means met.
@@ -21,21 +21,16 @@ import difflib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine.metrics import LEGACY, METRICS, latency_percentiles
+from engine.metrics import read as read_metric
+
 log = logging.getLogger(__name__)
 
-LATENCY_METRICS = {
-    "ttft": "time to first token",
-    "tpot": "time per output token after the first",
-    "e2e": "end-to-end latency",
-    "itl": "inter-token latency",
-}
-PER_REQUEST_METRICS = ("ttft", "tpot", "e2e")
-SLO_PERCENTILES = (50, 90, 99)
 #: The attainment target when latency bounds are given and ``attainment_min`` is not.
 DEFAULT_ATTAINMENT = 0.9
 
@@ -50,41 +45,45 @@ class SloMetric:
 
     name: str
     bound: str  # "max": measured value <= bound; "min": measured value >= bound
-    summary_key: str  # the trial-summary key it is checked against
+    summary_key: str  # the run-summary metric (``engine.metrics.METRICS``) it is checked against
     doc: str
     per_request: str | None = None  # RequestResult property bounded per request
     fraction: bool = False  # a share in (0, 1]
 
 
 def _table() -> dict[str, SloMetric]:
-    t: dict[str, SloMetric] = {}
-    for m, doc in LATENCY_METRICS.items():
-        for q in SLO_PERCENTILES:
-            name = f"{m}_p{q}_ms"
-            t[name] = SloMetric(name, "max", f"{m}_ms_p{q}", f"p{q} {doc} in ms at most",
-                                per_request=f"{m}_ms" if m in PER_REQUEST_METRICS else None)
-    extra = [
-        SloMetric("attainment_min", "min", "slo_attainment",
-                  "share of requests meeting every per-request latency bound, at least", fraction=True),
-        SloMetric("quality_min", "min", "quality_top1_agreement",
-                  "next-token top-1 agreement with the full-precision reference, at least", fraction=True),
-        SloMetric("quality_kl_max", "max", "quality_mean_kl",
-                  "mean KL divergence from the full-precision reference, at most"),
-        SloMetric("output_tokens_per_s_min", "min", "output_tokens_per_s", "output tokens per second, at least"),
-        SloMetric("requests_per_s_min", "min", "requests_per_s", "finished requests per second, at least"),
-        SloMetric("goodput_rps_min", "min", "goodput_rps", "requests per second meeting the SLO, at least"),
-    ]
-    t.update({m.name: m for m in extra})
+    # Every latency percentile of the metrics table is an upper bound; a few totals are lower bounds.
+    t: dict[str, SloMetric] = {
+        m.name: SloMetric(m.name, "max", m.name, f"{m.doc} in ms, at most", per_request=m.per_request)
+        for m in latency_percentiles()}
+    lower = {"attainment_min": "slo_attainment", "quality_min": "quality_top1_agreement",
+             "output_tokens_per_s_min": "output_tokens_per_s", "requests_per_s_min": "requests_per_s",
+             "goodput_rps_min": "goodput_rps"}
+    for name, key in lower.items():
+        m = METRICS[key]
+        t[name] = SloMetric(name, "min", key, f"{m.doc}, at least", fraction=m.unit == "share")
+    t["quality_kl_max"] = SloMetric("quality_kl_max", "max", "quality_mean_kl",
+                                    f"{METRICS['quality_mean_kl'].doc}, at most")
     return t
 
 
 SLO_METRICS: dict[str, SloMetric] = _table()
-ALIASES = {"throughput_min": "output_tokens_per_s_min"}
 
-#: The SLO of ``tuner run`` without ``--slo``: interactive chat at reading speed, and next tokens
-#: agreeing with the full-precision model at 90 % of positions (bit-widths and routing cuts trade
-#: quality for speed).
-DEFAULT_SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0, "quality_min": 0.9}
+
+def latency_bound(name: str) -> bool:
+    """Whether a bound depends on request latencies (a percentile, the attainment floor, goodput)."""
+    m = SLO_METRICS[name]
+    return name in ("attainment_min", "goodput_rps_min") or METRICS[m.summary_key].series is not None
+
+
+#: Other spellings a user may type: ``throughput_min``, and the summaries' old ``ttft_ms_p99`` order.
+ALIASES = {"throughput_min": "output_tokens_per_s_min",
+           **{old: new for old, new in LEGACY.items() if new in SLO_METRICS}}
+
+#: The SLO of ``tuner run`` without ``--slo``: interactive chat, a first token within 2 s and then 5
+#: tokens/s or faster (about reading speed), and next tokens agreeing with the full-precision model at
+#: 90 % of positions (bit-widths and routing cuts trade quality for speed).
+DEFAULT_SLO = {"ttft_p99_ms": 2000.0, "tpot_p99_ms": 200.0, "quality_min": 0.9}
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,15 @@ class SloSpec:
             return self.bounds["attainment_min"]
         return DEFAULT_ATTAINMENT if self.request_limits_ms() else None
 
-    def constraint_names(self) -> list[str]:
-        """The constraints a trial is checked against, in a fixed order."""
+    def constraint_names(self, latency: bool = True) -> list[str]:
+        """The constraints a trial is checked against, in a fixed order.
+
+        ``latency=False`` leaves out the per-request latency bounds and the attainment floor: under the
+        capacity objective they define the knee (the rate is what is measured), and an offline replay
+        has no arrival times for them to mean anything.
+        """
+        if not latency:
+            return sorted(n for n in self.bounds if not latency_bound(n))
         names = sorted(self.bounds)
         if self.attainment_target is not None and "attainment_min" not in names:
             names.append("attainment_min")
@@ -129,6 +135,24 @@ class SloSpec:
             label = name.removesuffix("_min").removesuffix("_max")
             parts.append(f"{label}{'<=' if m.bound == 'max' else '>='}{_fmt(value)}")
         return ", ".join(parts) or "none"
+
+    def describe_latency(self) -> str:
+        """``ttft<=1000 ms, tpot<=100 ms``: the per-request limits a request must meet."""
+        return ", ".join(f"{k.removesuffix('_ms')}<={_fmt(v)} ms" for k, v in self.request_limits_ms().items()) \
+            or "none"
+
+
+def study_constraints(slo: SloSpec, *, capacity: bool, latency: bool) -> list[str]:
+    """The constraints of a study's trials, in a fixed order (Optuna needs the same for every trial).
+
+    Capacity: the bounds that do not depend on latency, plus the attainment floor checked at the
+    highest rate that met it (violated only when no rate did). ``latency``: every bound. Otherwise
+    (an offline replay): the bounds that do not depend on latency, such as the quality floor.
+    """
+    if capacity:
+        names = slo.constraint_names(latency=False)
+        return names + ["attainment_min"] if slo.attainment_target is not None else names
+    return slo.constraint_names(latency=latency)
 
 
 def _fmt(x: float | None) -> str:
@@ -154,7 +178,7 @@ def _check_value(name: str, raw: Any, where: str) -> float:
 def _canonical(name: str, where: str) -> str:
     name = ALIASES.get(name, name)
     if name not in SLO_METRICS:
-        close = difflib.get_close_matches(name, list(SLO_METRICS) + list(ALIASES), n=1)
+        close = difflib.get_close_matches(name, list(SLO_METRICS), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise SloError(f"{where}: unknown SLO metric {name!r}; {hint}known: {', '.join(SLO_METRICS)}")
     return name
@@ -271,13 +295,14 @@ def constraint_value(bound: str, measured: float, limit: float) -> float:
 
 
 def evaluate(requests: Sequence[RequestLike], summary: Mapping[str, Any], duration_s: float,
-             slo: SloSpec) -> SloResult:
+             slo: SloSpec, constraints: Sequence[str] | None = None) -> SloResult:
     """Attainment, goodput and constraint values of one run.
 
-    ``summary`` is ``RunResult.summary()`` (percentiles under ``ttft_ms_p99``-style keys). Bounds on
-    figures the run did not measure (quality without a reference run) are listed in
-    ``unmeasured`` and count as met; latency percentiles missing because nothing finished count
-    as violated.
+    ``summary`` is ``RunResult.summary()`` (``engine.metrics`` names; old spellings are read too).
+    ``constraints`` names the bounds to check (default :meth:`SloSpec.constraint_names`; see
+    :func:`study_constraints`). Bounds on figures the run did not measure (quality without a reference
+    run) are listed in ``unmeasured`` and count as met; latency percentiles missing because nothing
+    finished count as violated.
     """
     limits = slo.request_limits_ms()
     met = {r.request_id: request_meets(r, limits) for r in requests}
@@ -288,28 +313,29 @@ def evaluate(requests: Sequence[RequestLike], summary: Mapping[str, Any], durati
     goodput_tps = sum(r.output_tokens for r in met_requests) / duration_s if duration_s > 0 else 0.0
     figures = {**summary, "slo_attainment": attainment, "goodput_rps": goodput_rps}
     any_done = any(r.finish_reason not in ("rejected", "") for r in requests)
-    constraints: dict[str, float] = {}
+    names = slo.constraint_names() if constraints is None else list(constraints)
+    values: dict[str, float] = {}
     unmeasured: list[str] = []
-    for name in slo.constraint_names():
+    for name in names:
         m = SLO_METRICS[name]
         limit = slo.bounds.get(name)
         if name == "attainment_min" and limit is None:
             limit = slo.attainment_target
         assert limit is not None
-        value = figures.get(m.summary_key)
+        value = read_metric(figures, m.summary_key)
         if value is None or (isinstance(value, float) and math.isnan(value)):
             if name.startswith("quality"):
                 unmeasured.append(name)
-                constraints[name] = 0.0
+                values[name] = 0.0
             elif m.per_request == "tpot_ms" and any_done:
-                constraints[name] = 0.0  # only one-token replies: no TPOT to bound
+                values[name] = 0.0  # only one-token replies: no TPOT to bound
             else:
-                constraints[name] = 1.0
+                values[name] = 1.0
             continue
-        constraints[name] = constraint_value(m.bound, float(value), limit)
+        values[name] = constraint_value(m.bound, float(value), limit)
     if unmeasured:
         log.debug("SLO bounds %s not checked: the run did not measure them", ", ".join(unmeasured))
-    return SloResult(attainment, goodput_rps, goodput_tps, met, constraints, unmeasured)
+    return SloResult(attainment, goodput_rps, goodput_tps, met, values, unmeasured)
 
 
 # --------------------------------------------------------------------------- early stopping
@@ -325,14 +351,16 @@ class Progress:
     finish_s: float | None = None
     output_tokens: int = 0
     rejected: bool = False
+    max_new_tokens: int | None = None
+    """The most tokens the request may produce (its TPOT is at least the time so far over that many gaps)."""
 
 
 def certain_misses(progress: Iterable[Progress], now_s: float, limits_ms: Mapping[str, float]) -> int:
     """How many requests have already missed a per-request limit, whatever happens next.
 
     ``now_s`` and every time in ``progress`` must be lower bounds of the true elapsed times on
-    the run's clock, so that a miss counted here is a miss in the final result. TPOT is checked
-    only for finished requests.
+    the run's clock, so that a miss counted here is a miss in the final result. A request still
+    decoding has a TPOT of at least (now - first token) / (max_new_tokens - 1), whatever comes next.
     """
     ttft = limits_ms.get("ttft_ms", math.inf) / 1e3
     e2e = limits_ms.get("e2e_ms", math.inf) / 1e3
@@ -345,8 +373,12 @@ def certain_misses(progress: Iterable[Progress], now_s: float, limits_ms: Mappin
         first_wait = (p.first_token_s if p.first_token_s is not None else now_s) - p.arrival_s
         end_wait = (p.finish_s if p.finish_s is not None else now_s) - p.arrival_s
         missed = first_wait > ttft or end_wait > e2e
-        if not missed and p.finish_s is not None and p.first_token_s is not None and p.output_tokens >= 2:
-            missed = (p.finish_s - p.first_token_s) / (p.output_tokens - 1) > tpot
+        if not missed and p.first_token_s is not None:
+            if p.finish_s is not None:
+                if p.output_tokens >= 2:
+                    missed = (p.finish_s - p.first_token_s) / (p.output_tokens - 1) > tpot
+            elif p.max_new_tokens is not None and p.max_new_tokens >= 2:
+                missed = (now_s - p.first_token_s) / (p.max_new_tokens - 1) > tpot
         misses += missed
     return misses
 
@@ -358,56 +390,34 @@ def target_unreachable(n_requests: int, n_misses: int, target: float | None) -> 
     return (n_requests - n_misses) / n_requests < target
 
 
-# --------------------------------------------------------------------------------- capacity
+#: A finished request counts as a certain meet only this far inside every limit: the watcher's
+#: clock may run a little behind the runner's (see ``tuner.watch``).
+MEET_SLACK = 0.98
 
 
-@dataclass
-class Capacity:
-    """The highest rate scale found with attainment >= target, and every probe made."""
+def certain_meets(progress: Iterable[Progress], limits_ms: Mapping[str, float]) -> int:
+    """How many finished requests met every per-request limit with room to spare (:data:`MEET_SLACK`).
 
-    rate_scale: float
-    probes: list[tuple[float, float]]  # (rate_scale, attainment) in the order run
-    bounded: bool  # False when even the highest probe met the target (capacity is at least this)
-
-
-def find_capacity(attainment_at: Callable[[float], float], target: float, start_rate_scale: float = 1.0,
-                  *, max_probes: int = 8, rel_tol: float = 0.15, min_rate_scale: float = 1 / 64) -> Capacity:
-    """Bisect over the arrival-rate scale for the highest one keeping attainment >= ``target``.
-
-    Doubles (or halves) from ``start_rate_scale`` until the target is crossed, then bisects on a
-    log scale until the bracket is within ``rel_tol`` or ``max_probes`` runs were made. Returns
-    rate scale 0 when even ``min_rate_scale`` misses the target.
+    Only finished requests count; the final verdict always comes from :func:`evaluate` on the run's
+    own figures, so a request this counts and the run does not (a hair over a limit) costs a probe its
+    early stop, never a wrong result.
     """
-    probes: list[tuple[float, float]] = []
+    ttft = limits_ms.get("ttft_ms", math.inf) / 1e3 * MEET_SLACK
+    e2e = limits_ms.get("e2e_ms", math.inf) / 1e3 * MEET_SLACK
+    tpot = limits_ms.get("tpot_ms", math.inf) / 1e3 * MEET_SLACK
+    meets = 0
+    for p in progress:
+        if p.rejected or p.finish_s is None or p.first_token_s is None:
+            continue
+        ok = p.first_token_s - p.arrival_s <= ttft and p.finish_s - p.arrival_s <= e2e
+        if ok and p.output_tokens >= 2:
+            ok = (p.finish_s - p.first_token_s) / (p.output_tokens - 1) <= tpot
+        meets += ok
+    return meets
 
-    def ok(scale: float) -> bool:
-        a = attainment_at(scale)
-        probes.append((scale, a))
-        return a >= target
 
-    # Bracket [lo, hi]: lo met the target, hi did not.
-    if ok(start_rate_scale):
-        lo = start_rate_scale
-        while True:
-            if len(probes) >= max_probes:
-                return Capacity(lo, probes, bounded=False)
-            if not ok(lo * 2):
-                hi = lo * 2
-                break
-            lo *= 2
-    else:
-        hi = start_rate_scale
-        while True:
-            if len(probes) >= max_probes or hi / 2 < min_rate_scale:
-                return Capacity(0.0, probes, bounded=True)
-            if ok(hi / 2):
-                lo = hi / 2
-                break
-            hi /= 2
-    while hi / lo > 1 + rel_tol and len(probes) < max_probes:
-        mid = math.sqrt(lo * hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return Capacity(lo, probes, bounded=True)
+def target_certain(n_requests: int, n_meets: int, target: float | None) -> bool:
+    """Whether ``n_meets`` certain meets already put attainment at or above ``target`` for good."""
+    if target is None or n_requests <= 0:
+        return False
+    return n_meets / n_requests >= target

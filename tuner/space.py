@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, KnobInfo, knobs
+from engine.config import ConfigError, EngineConfig, KnobInfo, knobs, merge_flat
 
 log = logging.getLogger(__name__)
 
@@ -224,10 +224,7 @@ class SearchSpace:
 
         Raises :class:`ConfigError` (one line) for combinations the engine rejects.
         """
-        data = base.to_dict()
-        for key, value in {**self.fixed, **values}.items():
-            area, name = key.split(".", 1)
-            data[area][name] = value
+        data = merge_flat(base.to_dict(), {**self.fixed, **values}, source)
         return EngineConfig.from_dict(data, source=source)
 
 
@@ -260,11 +257,7 @@ def parse_fixed(entries: list[str], base: EngineConfig | None = None) -> dict[st
                 raise ConfigError(f"--fix {entry!r}: {info.key} must be {info.type.__name__}") from None
         out[info.key] = info.check(value, "--fix")
     # Cross-field checks run on the pinned values together.
-    data = (base or EngineConfig()).to_dict()
-    for key, value in out.items():
-        area, name = key.split(".", 1)
-        data[area][name] = value
-    EngineConfig.from_dict(data, source="--fix")
+    EngineConfig.from_dict(merge_flat((base or EngineConfig()).to_dict(), out, "--fix"), source="--fix")
     return out
 
 

@@ -131,8 +131,17 @@ def open_storage(url: str, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
         raise DatabaseError(f"cannot open Optuna storage in {mask_url(url)}: {cause}") from e
 
 
+def make_pruner(rungs: int) -> optuna.pruners.BasePruner:
+    """Successive halving over the fidelity rungs (a trial reports rung ``i`` at step ``i + 1``): at each
+    prefix a trial goes on only when its value is in the best half of the trials measured there."""
+    if rungs < 2:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2, min_early_stopping_rate=0)
+
+
 def open_study(storage: optuna.storages.RDBStorage, name: str, objectives: Sequence[str],
-               constraint_names: Sequence[str], settings: Mapping[str, Any], seed: int = 0) -> optuna.Study:
+               constraint_names: Sequence[str], settings: Mapping[str, Any], seed: int = 0,
+               pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
     """Create or resume the Optuna study ``name``.
 
     Raises :class:`StudyError` when a study of that name was started with other settings (model,
@@ -148,7 +157,8 @@ def open_study(storage: optuna.storages.RDBStorage, name: str, objectives: Seque
             shown = ", ".join(f"{k}={stored.get(k)!r} (now {settings.get(k)!r})" for k in diff[:3])
             raise StudyError(f"study {name!r} was started with {shown}; use another --study name")
     dirs: list[Any] = directions(objectives)
-    study = optuna.create_study(storage=storage, study_name=name, directions=dirs, load_if_exists=True)
+    study = optuna.create_study(storage=storage, study_name=name, directions=dirs, load_if_exists=True,
+                                pruner=pruner)
     if not existing:
         study.set_user_attr(ATTR_SETTINGS, settings)
     n_before = len(study.get_trials(deepcopy=False))
@@ -243,11 +253,13 @@ def trial_state(t: FrozenTrial) -> str:
 
 def run_trials(study: optuna.Study, objective: Callable[[optuna.Trial], Any], n_trials: int,
                timeout_s: float | None = None,
-               on_trial: Callable[[optuna.Study, FrozenTrial, int], None] | None = None) -> int:
+               on_trial: Callable[[optuna.Study, FrozenTrial, int], None] | None = None,
+               between: Callable[[optuna.Study, FrozenTrial], None] | None = None) -> int:
     """Run trials until the study holds ``n_trials`` counted trials or ``timeout_s`` passes.
 
-    Baselines and retries (waiting trials) run first. A crashing trial is recorded and the study
-    goes on; Ctrl-C stops after the current trial is recorded (``KeyboardInterrupt`` propagates).
+    Baselines and retries (waiting trials) run first. ``between(study, trial)`` runs after each trial
+    (the noise repeats interleaved with the first baselines). A crashing trial is recorded and the
+    study goes on; Ctrl-C stops after the current trial is recorded (``KeyboardInterrupt`` propagates).
     Returns the number of trials this call ran.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -256,6 +268,8 @@ def run_trials(study: optuna.Study, objective: Callable[[optuna.Trial], Any], n_
     def after(st: optuna.Study, frozen: FrozenTrial) -> None:
         if on_trial is not None:
             on_trial(st, frozen, len(counted_trials(st.get_trials(deepcopy=False))))
+        if between is not None:
+            between(st, frozen)
 
     while True:
         done = len(counted_trials(study.get_trials(deepcopy=False)))

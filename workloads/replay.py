@@ -478,7 +478,7 @@ def record_replay(db_url: str | None, result: RunResult, workload: Workload, wor
     """
     from sqlalchemy import func, select
 
-    from db.models import BACKENDS, Trial
+    from db.models import Trial
     from db.session import make_engine, resolve_url, session_scope, upgrade
     from db.store import (
         create_study,
@@ -506,9 +506,7 @@ def record_replay(db_url: str | None, result: RunResult, workload: Workload, wor
     url = resolve_url(db_url)
     upgrade(url)
     engine = make_engine(url)
-    # The schema's backend column allows "http" once db/ adds it (see db.models.BACKENDS); until then the
-    # study is a live one, and every trial's meta says backend "http".
-    backend = "http" if "http" in BACKENDS else "live"
+    backend = "http"  # the study's results come from a server measured over HTTP (db.models.BACKENDS)
     hardware = meta.get("hardware") or {"reported_by_server": False, "url": server["url"]}
     result_dict = result.to_dict()
     result_dict["meta"] = {**meta, "study_backend": backend}

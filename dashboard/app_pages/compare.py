@@ -16,7 +16,7 @@ info = ui.pick_study(url)
 trials = data.trial_list(url, info["id"])
 numbers = [int(n) for n in trials["number"]]
 points = data.objective_points(url, info["id"], tuple(info["objectives"]))
-best = ui.best_number(points, info["directions"][0])
+best = ui.best_number(url, info["name"])
 baselines = [int(n) for n in points[points["is_baseline"] & (points["state"] == "complete")]["number"]]
 default = list(dict.fromkeys([n for n in [best, *baselines] if n is not None]))[:2]
 rows = {int(r["number"]): r for r in trials.to_dict("records")}
@@ -49,7 +49,7 @@ else:
 st.subheader("Metrics")
 reference = names[0]
 metric_rows = []
-for metric in ("goodput_rps", "slo_attainment", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
+for metric in ("capacity_rps", "goodput_rps", "slo_attainment", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
                "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "quality_top1_agreement",
                "peak_rss_bytes", "duration_s"):
     values = [float(v) if pd.notna(v) else None for v in df[metric]]

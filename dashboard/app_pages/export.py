@@ -30,6 +30,14 @@ number = st.selectbox("Trial", numbers, index=0, key="trial", bind="query-params
                       help="complete trials in `tuner export --rank` order; the first is the best")
 rank = int(rows.loc[number, "rank"])
 st.markdown(describe(number))
+confirmed = next((c for c in (data.findings(url, info["name"])["confirmation"] or {}).get("configs", [])
+                  if c["number"] == number and c["interval"]), None)
+if confirmed:
+    iv = confirmed["interval"]
+    st.markdown(f"Confirmed {objective}: {ui.fmt(iv['median'])} ({ui.fmt(iv['lo'])}-{ui.fmt(iv['hi'])}, {iv['n']} "
+                "interleaved runs): the figures the file carries under `confirmed`.")
+else:
+    st.caption("Not among the confirmed configs: the file carries its single search measurement only.")
 if not rows.loc[number, "meets_slo"]:
     st.warning("This trial did not meet the SLO; `tuner export` would export it all the same.")
 text = data.export_text(url, info["name"], rank)

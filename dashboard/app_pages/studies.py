@@ -28,12 +28,17 @@ def overview() -> None:
         table,
         hide_index=True,
         column_order=["open", "workload", "trials", "complete", "running", "failed", "pruned", "infeasible",
-                      "best_goodput_rps", "gain_over_best_baseline", "slo", "objectives", "model", "backend",
+                      "best_capacity_rps", "best_goodput_rps", "gain_over_best_baseline", "slo", "objectives",
+                      "model", "backend",
                       "hardware", "created_at"],
         column_config={
             "open": st.column_config.LinkColumn("study", display_text=r"study=(.*)$",
                                                 help="open the study page"),
             "slo": st.column_config.TextColumn("SLO"),
+            "best_capacity_rps": st.column_config.NumberColumn(
+                "best capacity (req/s)", format="%.3g",
+                help="highest capacity of a trial that met the SLO (one measurement; the Study page has the "
+                     "confirmed figures)"),
             "best_goodput_rps": st.column_config.NumberColumn(
                 "best goodput (req/s)", format="%.3g", help="best goodput of a trial that met the SLO"),
             "gain_over_best_baseline": st.column_config.NumberColumn(

@@ -1,5 +1,7 @@
-"""Study: optimisation history, Pareto front, parameter importance, parallel coordinates, SLO
-attainment and a sortable, filterable table of trials."""
+"""Study: the confirmed finding first (each confirmed config's median and interval, the gain over every
+baseline), the noise of this machine, each trial's value with the noise band, optimisation history,
+Pareto front, parameter importance (or why there is none), parallel coordinates, SLO attainment and a
+sortable, filterable table of trials."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def progress() -> None:
     for col, key in zip(cols, ("total", "complete", "running", "failed", "pruned", "infeasible"), strict=True):
         col.metric(key if key != "total" else "trials", counts[key])
     points = data.objective_points(url, info["id"], objectives)
-    best = ui.best_number(points, directions[0])
+    best = ui.best_number(url, info["name"])
     if best is None:
         st.info("No finished trial yet: charts appear when the first trial completes."
                 + (f" {counts['running']} trial(s) running; this view refreshes every {ui.LIVE_REFRESH_S} s."
@@ -50,6 +52,47 @@ def progress() -> None:
     st.plotly_chart(charts.history(points, objectives[0], directions[0]), key="history")
 
 
+def finding() -> None:
+    """The confirmed figures, the noise and what the multi-fidelity search spent."""
+    f = data.findings(url, info["name"])
+    conf, noise = f["confirmation"], f["noise"]
+    st.subheader("Finding")
+    if conf:
+        st.plotly_chart(charts.confirmed(conf), key="confirmed")
+        rows = [{"over": g["baseline"], "gain": (g["gain"] or {}).get("median"), "low": (g["gain"] or {}).get("lo"),
+                 "high": (g["gain"] or {}).get("hi"), "runs": (g["gain"] or {}).get("n"), "verdict": g["verdict"]}
+                for g in conf["gains"]]
+        best = conf["best"]
+        if best is not None:
+            st.markdown(f"**{ui.finding_text(conf)}**")
+            st.caption(f"Best confirmed: {best['label']}; session {conf['session']}, {conf['repeats']} runs of each "
+                       "config interleaved (A B C A B C ...), order " + " ".join(map(str, conf["order"])) + ".")
+        if rows:
+            st.dataframe(pd.DataFrame(rows), hide_index=True, column_config={
+                c: st.column_config.NumberColumn(c, format="x%.2f") for c in ("gain", "low", "high")})
+    else:
+        st.info("Not confirmed yet: these are single measurements. `tuner confirm --study "
+                f"{info['name']}` re-runs the top configs and every baseline, interleaved, with intervals.")
+    cols = st.columns(4)
+    cols[0].metric("noise (spread of the defaults)", ui.fmt(noise["rel_spread"], ".1%") if noise else "-",
+                   help="(max - min) / median of the default config's repeated runs on this machine")
+    fid, tm = f["fidelity"], f["time"]
+    cols[1].metric("promoted to the whole workload", ui.fmt(fid["fraction_promoted"], ".0%"),
+                   help=f"{fid['promoted']} of {fid['searched']} searched trials; the others stopped early or were "
+                        "pruned on a prefix")
+    cols[2].metric("replay time saved (s)", ui.fmt(fid["time_saved_s"], ".0f"))
+    cols[3].metric("overhead / replay time", ui.fmt(tm["overhead_share"], ".1%"),
+                   help="reconfigure, warm-up and probe set-up, over the seconds of replays")
+    if noise:
+        st.caption(f"Noise: the defaults measured {noise['n']} times: "
+                   + ", ".join(ui.fmt(v, ".4g") for v in noise["values"]) + f" ({charts.label(noise['objective'])}).")
+    if len(objectives) == 1:
+        values = data.search_values(url, info["id"])
+        if len(values):
+            st.plotly_chart(charts.per_trial(values, objectives[0], noise), key="per_trial")
+
+
+finding()
 progress()
 
 points = data.objective_points(url, info["id"], objectives)
@@ -72,10 +115,18 @@ if not complete.empty:
         st.plotly_chart(charts.attainment(points, target), key="attainment")
 
     imp = data.param_importance(url, info["optuna_study_name"], 0, directions[0])
-    if "importances" in imp and imp["importances"]:
+    f = data.findings(url, info["name"])
+    noise = f["noise"]
+    if f["within_noise"]:
+        st.subheader("Parameter importance")
+        st.info(f"No ranking of knobs: the complete trials' {objectives[0]} spread no wider than the noise of "
+                f"this machine (the defaults' runs spread {noise['rel_spread']:.1%} over {noise['n']} runs), so any "
+                "ranking would be a ranking of noise.")
+    elif "importances" in imp and imp["importances"]:
         st.plotly_chart(charts.importance(imp["importances"], objectives[0]), key="importance")
         st.caption(f"PED-ANOVA over {imp['n_trials']} complete trials (Optuna): how much each knob decides "
-                   "whether a trial lands among the best.")
+                   "whether a trial lands among the best. Noise of the objective on this machine: "
+                   + (f"{noise['rel_spread']:.1%} (the defaults, {noise['n']} runs)." if noise else "not measured."))
     else:
         st.subheader("Parameter importance")
         st.info(imp.get("message") or "No knob varied between complete trials.")
@@ -120,9 +171,11 @@ st.dataframe(
         "meets_slo": st.column_config.CheckboxColumn("meets SLO"),
         "slo_attainment": st.column_config.ProgressColumn("SLO attainment", format="percent", min_value=0,
                                                           max_value=1),
+        "fidelity": st.column_config.ProgressColumn("fidelity", format="percent", min_value=0, max_value=1,
+                                                    help="share of the workload the trial was last measured on"),
         "peak_rss_bytes": st.column_config.NumberColumn("peak RSS", format="bytes"),
         **{m: st.column_config.NumberColumn(m, format="%.4g") for m in data.TABLE_METRICS
-           if m not in ("slo_attainment", "peak_rss_bytes")},
+           if m not in ("slo_attainment", "peak_rss_bytes", "fidelity")},
     },
 )
 st.caption(f"{total} trial(s) match; showing {len(table)} (page {page} of {pages}), sorted in the database.")

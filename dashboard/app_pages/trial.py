@@ -1,5 +1,7 @@
-"""Trial: the config against the defaults, metrics against the SLO, latency CDFs, requests over
-time, the step timeline, telemetry, per-layer expert heatmaps and, for a failed trial, its error."""
+"""Trial: metrics against the SLO, the capacity probes (attainment against arrival rate, with the knee
+and the target) and where the trial's time went, the config against the defaults, latency CDFs,
+requests over time, the step timeline, telemetry, per-layer expert heatmaps and, for a failed
+trial, its error."""
 
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ trials = data.trial_list(url, info["id"])
 if trials.empty:
     st.info("This study has no trial yet. " + ui.START_A_STUDY)
     st.stop()
-points = data.objective_points(url, info["id"], tuple(info["objectives"]))
-best = ui.best_number(points, info["directions"][0])
+best = ui.best_number(url, info["name"])
 numbers = [int(n) for n in trials["number"]]
 rows = {int(r["number"]): r for r in trials.to_dict("records")}
 number = st.selectbox("Trial", numbers, index=numbers.index(best) if best in numbers else len(numbers) - 1,
@@ -42,7 +43,11 @@ summary = t["summary"] or {}
 # --- metrics against the SLO
 if summary:
     cols = st.columns(6)
-    cols[0].metric("goodput (req/s)", ui.fmt(t["goodput_rps"], ".4g"))
+    if t.get("capacity_rps") is not None:
+        cols[0].metric("capacity (req/s)", ui.fmt(t["capacity_rps"], ".4g"),
+                       help="highest arrival rate at which attainment stayed at or above the target")
+    else:
+        cols[0].metric("goodput (req/s)", ui.fmt(t["goodput_rps"], ".4g"))
     cols[1].metric("throughput (tok/s)", ui.fmt(t["output_tokens_per_s"], ".4g"))
     cols[2].metric("SLO attainment", ui.fmt(t["slo_attainment"], ".1%"))
     cols[3].metric("TTFT p99 (ms)", ui.fmt(t["ttft_p99_ms"], ".4g"))
@@ -61,6 +66,27 @@ if summary:
     st.markdown("**Against the SLO** " + ("(met)" if summary.get("feasible", True) else "(missed)"))
     st.dataframe(pd.DataFrame(slo_rows, columns=["bound", "limit", "measured", "met", "what"]), hide_index=True,
                  column_config={"met": st.column_config.CheckboxColumn("met")})
+
+# --- capacity probes and the trial's time
+probes = data.trial_probes(url, t["id"])
+probes = probes[probes["rate_rps"].notna()]  # offline replays have no arrival rate to draw
+if len(probes):
+    st.subheader("Probes")
+    st.plotly_chart(charts.probes(probes, slo.attainment_target, t.get("capacity_rps")), key="probes")
+    searched = probes[probes["purpose"] == "search"]
+    st.caption(f"{len(searched)} replays in the trial's own search"
+               + (f", {len(probes) - len(searched)} more in noise and confirmation runs" if len(probes) > len(searched)
+                  else "") + ". Each replay stops once its verdict against the target is certain (open markers).")
+    with st.expander("Every probe"):
+        st.dataframe(probes.drop(columns=["measurement"]), hide_index=True)
+if summary.get("measured_s") is not None:
+    parts = [(name, summary.get(key)) for name, key in (("replays", "measured_s"), ("quality check", "quality_s"),
+                                                        ("reconfigure", "reconfigure_s"), ("warm-up", "warm_up_s"),
+                                                        ("overhead in all", "overhead_s"))]
+    share = summary["overhead_s"] / summary["measured_s"] if summary.get("measured_s") else None
+    st.caption("Time: " + ", ".join(f"{n} {ui.fmt(v, '.2f')} s" for n, v in parts)
+               + (f" ({share:.1%} of the replay time)" if share is not None else "")
+               + (" · quality from the cache (same maths as an earlier trial)" if summary.get("quality_cached") else ""))
 
 # --- config against the defaults
 defaults = ui.default_config()

@@ -5,7 +5,8 @@ after two short ``tuner run`` commands:
 
 * ``live``: a realtime replay of a bursty 16-request workload whose router trace was recorded
   with the tiny model (``workloads synth`` then ``workloads record``), against a tight SLO, so
-  trials meet it, miss it, get pruned or are infeasible; single objective (goodput).
+  trials meet it, miss it, get pruned or are infeasible; single objective (capacity, the default),
+  with its noise and a confirmation (the best searched config and every baseline, two runs each).
 * ``pareto``: an offline replay of ``builtin:tiny`` with two objectives (throughput, TPOT p99).
 
 Tests compare what the pages show with what the database holds, read back independently through
@@ -71,7 +72,7 @@ def seed(tmp_path_factory: pytest.TempPathFactory, _moetune_cache: None) -> Seed
     _run(workloads, ["record", "--model", MODEL, "--workload", str(synth), "--out", str(recorded)])
     _run(tuner, ["run", "--model", MODEL, "--workload", str(recorded), "--mode", "realtime", "--rate-scale", "2",
                  "--trials", "12", "--slo", "ttft_p99_ms=40", "--slo", "tpot_p99_ms=8", "--slo", "attainment_min=0.8",
-                 "--study", "live", "--db", url, "--quiet"])
+                 "--confirm-top", "1", "--confirm-repeats", "2", "--study", "live", "--db", url, "--quiet"])
     _run(tuner, ["run", "--model", MODEL, "--workload", "builtin:tiny", "--mode", "offline", "--max-requests", "8",
                  "--trials", "8", "--objectives", "output_tokens_per_s,tpot_p99_ms", "--study", "pareto",
                  "--db", url, "--quiet"])

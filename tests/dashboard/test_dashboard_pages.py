@@ -8,12 +8,22 @@ import pandas as pd
 import pytest
 from sqlalchemy import select
 
-from dashboard import data
-from db.models import ExpertStatRow, RequestRow, StepRow, Study, TelemetryRow, Workload
+from dashboard import data, ui
+from db.models import (
+    ExpertStatRow,
+    MeasurementRow,
+    ProbeRow,
+    RequestRow,
+    StepRow,
+    Study,
+    TelemetryRow,
+    Workload,
+)
 from db.session import make_engine, session_scope
 from engine.config import EngineConfig
 from tuner.cli import main as tuner_main
 from tuner.export import is_feasible, ranked_trials
+from tuner.findings import confirmation, noise
 from tuner.metrics import pareto_ranks
 from tuner.slo import parse_slo
 from tuner.space import flatten
@@ -47,6 +57,24 @@ def _study(url, name):
 
 def _frame_with(at, column):
     return next(df.value for df in at.dataframe if column in df.value.columns)
+
+
+def _findings(url, name):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        study = s.scalars(select(Study).where(Study.name == name)).one()
+        out = {"confirmation": confirmation(s, study), "noise": noise(s, study)}
+    db.dispose()
+    return out
+
+
+def _probes(url, trial_id):
+    db = make_engine(url)
+    with session_scope(db) as s:
+        rows = s.execute(select(ProbeRow.rate_rps, ProbeRow.attainment).join(MeasurementRow)
+                         .where(MeasurementRow.trial_id == trial_id).order_by(MeasurementRow.id, ProbeRow.seq)).all()
+    db.dispose()
+    return [tuple(r) for r in rows]
 
 
 def _markers(chart):
@@ -99,11 +127,11 @@ def test_study_page_single_objective(seed, page, kit):
     assert at.selectbox(key="study").value == seed.live
     charts = kit.charts(at)
 
-    history = next(c for t, c in charts.items() if t.startswith("Optimisation history: goodput"))
+    history = next(c for t, c in charts.items() if t.startswith("Optimisation history: capacity (req/s)"))
     points = [p for pts in _markers(history).values() for p in pts]
     assert sorted(n for n, _ in points) == sorted(t.number for t in complete)
     by_number = {t.number: t for t in trials}
-    assert all(y == pytest.approx(by_number[n].goodput_rps) for n, y in points)
+    assert all(y == pytest.approx(by_number[n].capacity_rps) for n, y in points)
     met = [n for name, pts in _markers(history).items() if "meets SLO" in name for n, _ in pts]
     assert sorted(met) == sorted(t.number for t in complete if is_feasible(t))
     baselines = [n for name, pts in _markers(history).items() if name.startswith("baseline") for n, _ in pts]
@@ -115,24 +143,47 @@ def test_study_page_single_objective(seed, page, kit):
     assert dict(zip(bars["x"], bars["y"], strict=True)) == pytest.approx(
         {t.number: t.slo_attainment for t in complete})
 
-    importance = charts["Parameter importance for goodput (req/s)"]["data"][0]
     knobs = set(flatten(EngineConfig().to_dict()))
-    assert importance["y"] and set(importance["y"]) <= knobs
-    assert sum(importance["x"]) == pytest.approx(1.0, abs=1e-6)
+    found = _findings(seed.url, seed.live)
+    if "Parameter importance for capacity (req/s)" in charts:
+        importance = charts["Parameter importance for capacity (req/s)"]["data"][0]
+        assert importance["y"] and set(importance["y"]) <= knobs
+        assert sum(importance["x"]) == pytest.approx(1.0, abs=1e-6)
+        assert f"Noise of the objective on this machine: {found['noise'].rel_spread:.1%}" in kit.texts(at)
+    else:  # the trials spread no wider than the noise: the page says so instead of ranking knobs
+        assert "No ranking of knobs" in kit.texts(at)
+
+    # The confirmed figures come first: one bar per confirmed config, its median with the interval.
+    conf = found["confirmation"]
+    bars = charts[f"Confirmed capacity (req/s): median and interval of {conf['repeats']} interleaved runs"]["data"][0]
+    expected = {c["label"]: c["interval"] for c in conf["configs"] if c["interval"]}
+    assert set(bars["x"]) == set(expected)
+    for x, y, up, down in zip(bars["x"], bars["y"], bars["error_y"]["array"], bars["error_y"]["arrayminus"],
+                              strict=True):
+        iv = expected[x]
+        assert (y, y + up, y - down) == (pytest.approx(iv["median"]), pytest.approx(iv["hi"]), pytest.approx(iv["lo"]))
+    gains = _frame_with(at, "verdict")
+    assert gains["over"].tolist() == [g["baseline"] for g in conf["gains"]]
+    if conf["best"] is not None:
+        assert ui.finding_text(conf) in kit.texts(at)
+    # Each trial's own search with the defaults' noise band behind it.
+    per_trial = charts["capacity (req/s) per trial, with the noise band of the defaults"]
+    band = next(sh for sh in per_trial["layout"]["shapes"] if sh["type"] == "rect")
+    assert (band["y0"], band["y1"]) == (pytest.approx(found["noise"].lo), pytest.approx(found["noise"].hi))
     parcoords = charts["Parallel coordinates over the knobs"]["data"][0]
     varying = {k for k in knobs if len({str(flatten(t.config).get(k)) for t in complete}) > 1}
     assert len(parcoords["dimensions"]) == len(varying) + 1
 
     best = _ranked_numbers(seed.url, seed.live)[0]
     assert f"Open trial {best}" in [link.label for link in at.get("page_link")]
-    table = at.dataframe[0].value
+    table = _frame_with(at, "config_hash")
     assert sorted(table["number"]) == [t.number for t in trials]
-    goodput = table["goodput_rps"].dropna().tolist()
-    assert goodput == sorted(goodput, reverse=True)  # sorted by the objective, best first
-    assert table["goodput_rps"].isna().tolist() == sorted(table["goodput_rps"].isna().tolist())  # missing last
+    capacity = table["capacity_rps"].dropna().tolist()
+    assert capacity == sorted(capacity, reverse=True)  # sorted by the objective, best first
+    assert table["capacity_rps"].isna().tolist() == sorted(table["capacity_rps"].isna().tolist())  # missing last
     state = next(m for m in at.multiselect if m.label == "State")
     at = state.set_value(["complete"]).run()
-    table = at.dataframe[0].value
+    table = _frame_with(at, "config_hash")
     assert sorted(table["number"]) == sorted(t.number for t in complete) and set(table["state"]) == {"complete"}
     assert f"{len(complete)} trial(s) match" in kit.texts(at)
 
@@ -179,6 +230,18 @@ def test_trial_page_shows_the_best_trial(seed, page, kit):
 
     requests = _rows(seed.url, RequestRow, trial.id, [RequestRow.id])
     charts = kit.charts(at)
+    probes = charts["Capacity probes: attainment against arrival rate"]
+    markers = [tr for tr in probes["data"] if tr["mode"] == "markers"]
+    drawn = sorted((round(x, 9), round(y, 9)) for tr in markers for x, y in zip(tr["x"], tr["y"], strict=True))
+    assert drawn == sorted((round(x, 9), round(y, 9)) for x, y in _probes(seed.url, trial.id))
+    assert [sh["y0"] for sh in probes["layout"]["shapes"]] == [parse_slo(data=_study(seed.url, seed.live)["slo"])
+                                                               .attainment_target]  # the target
+    knees = [tr for tr in probes["data"] if tr["mode"] == "lines"]
+    if trial.capacity_rps:
+        (knee,) = knees
+        assert knee["x"] == [trial.capacity_rps] * 2 and knee["name"].startswith("knee")
+    else:  # a loaded machine: even the best trial met the target at no rate it probed, so no knee
+        assert knees == []
     ttft = charts["TTFT CDF"]["data"][0]
     assert ttft["x"] == pytest.approx(sorted(r.ttft_ms for r in requests if r.ttft_ms is not None))
     assert ttft["y"][-1] == 1.0
@@ -228,7 +291,10 @@ def test_compare_page(seed, page, kit):
     assert metrics.loc["goodput_rps", name_a] == pytest.approx(a.goodput_rps)
     assert metrics.loc["goodput_rps", name_b] == pytest.approx(b.goodput_rps)
     delta = metrics.loc["goodput_rps", f"Δ trial {b.number}"]
-    assert delta == pytest.approx((b.goodput_rps - a.goodput_rps) / a.goodput_rps)
+    if a.goodput_rps:
+        assert delta == pytest.approx((b.goodput_rps - a.goodput_rps) / a.goodput_rps)
+    else:  # relative to nothing (a loaded machine can leave a trial at 0): no change is claimed
+        assert delta is None or delta != delta  # None or NaN
     for title in ("TTFT CDF", "TPOT CDF", "E2E latency CDF"):
         assert [tr["name"] for tr in kit.charts(at)[title]["data"]] == [name_a, name_b]
 
@@ -292,4 +358,6 @@ def test_export_page_is_the_tuner_export_file(seed, page, tmp_path, rank):
     assert any(f"--rank {rank}" in c.value for c in at.code)
     ranking = _frame_with(at, "rank")
     assert ranking["number"].tolist() == _ranked_numbers(seed.url, seed.live)
-    assert not math.isnan(ranking["goodput_rps"].iloc[0])
+    assert not math.isnan(ranking["capacity_rps"].iloc[0])
+    if rank == 1:  # the best confirmed config, with its confirmed figures
+        assert "Confirmed capacity_rps" in " ".join(m.value for m in at.markdown)

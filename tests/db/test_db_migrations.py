@@ -166,3 +166,50 @@ def test_concurrent_upgrades_from_several_workers(db_url):
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     assert {out.strip() for out, _ in outs} == {head_revision()}
+
+
+def _study(engine, name: str, backend: str) -> int:
+    from db.session import session_scope
+    from db.store import create_study, get_or_create_model, get_or_create_workload
+
+    with session_scope(engine) as s:
+        model_id = get_or_create_model(s, {"fingerprint": "f" * 16, "path": "m", "arch": "qwen3_moe"})
+        workload_id = get_or_create_workload(s, "w", source="builtin:w", n_requests=1, duration_s=1.0)
+        return create_study(s, name, model_id=model_id, workload_id=workload_id, backend=backend,
+                            search_space_hash="h", objectives=["capacity_rps"], slo={}, hardware={}, software={})
+
+
+def _migrate(engine, how: str, revision: str) -> None:
+    with migration_connection(engine) as conn:
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        getattr(command, how)(cfg, revision)
+
+
+def test_study_backends_migration(db_url):
+    """0003 lets a study say it came from the stub, the simulator or a server over HTTP; the database
+    itself (not only the store) refuses any other value, and a 0002 study survives the upgrade."""
+    from sqlalchemy.exc import IntegrityError
+
+    from db.models import BACKENDS, Study
+
+    assert BACKENDS == ("live", "stub", "sim", "http")
+    engine = make_engine(db_url)
+    try:
+        _migrate(engine, "upgrade", "0002")
+        old = _study(engine, "old", "live")
+        with pytest.raises(IntegrityError), engine.begin() as conn:  # 0002's check: live or sim
+            conn.execute(update(Study).where(Study.id == old).values(backend="http"))
+        assert upgrade(db_url) == head_revision()
+        ids = {b: _study(engine, f"s-{b}", b) for b in BACKENDS}
+        with engine.connect() as conn:
+            got = dict(conn.execute(select(Study.name, Study.backend)).all())
+        assert got == {"old": "live", **{f"s-{b}": b for b in BACKENDS}}
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(update(Study).where(Study.id == ids["http"]).values(backend="bogus"))
+        # Going back below 0003 would break the studies only it allows: refused, nothing changed.
+        with pytest.raises(RuntimeError, match="cannot downgrade below 0003: 2 studies"):
+            _migrate(engine, "downgrade", "0002")
+        assert current_revision(engine) == head_revision()
+    finally:
+        engine.dispose()

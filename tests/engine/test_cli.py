@@ -41,7 +41,7 @@ def test_run_json_has_requests_steps_totals_for_50_requests(model_dir, capsys):
     for key in ("ttft_ms", "tpot_ms", "e2e_ms", "itl_ms", "prompt_tokens", "output_tokens", "arrival_s"):
         assert key in r
     s = res["summary"]
-    for key in ("output_tokens_per_s", "requests_per_s", "peak_rss_bytes", "ttft_ms_p99", "tpot_ms_p99"):
+    for key in ("output_tokens_per_s", "requests_per_s", "peak_rss_bytes", "ttft_p99_ms", "tpot_p99_ms"):
         assert s[key] is not None
     assert res["steps"] and {"duration_ms", "batch_seqs", "prefill_tokens", "decode_tokens"} <= set(res["steps"][0])
     assert res["telemetry"] and "cpu_percent" in res["telemetry"][0]

@@ -20,13 +20,16 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from db.session import make_engine, session_scope, upgrade
+from engine.backend import as_backend
 from engine.config import EngineConfig
 from engine.hwinfo import hardware, software
+from tuner.measure import Measurer, MeasureSettings
+from tuner.metrics import latency_constraints
 from tuner.objective import Objective
 from tuner.record import Recorder, model_identity, record_study
-from tuner.slo import SloSpec, parse_slo
+from tuner.slo import SloSpec, parse_slo, study_constraints
 from tuner.space import SearchSpace, build_space
-from tuner.study import RetryLostTrial, open_storage, open_study
+from tuner.study import RetryLostTrial, make_pruner, open_storage, open_study
 
 MODEL = "builtin:qwen3_moe-tiny"
 WORKLOAD = "builtin:tiny"
@@ -99,32 +102,38 @@ def sqlite_url(tmp_path) -> str:
 
 @pytest.fixture
 def wire(tiny_engine, tiny_workload) -> Callable[..., Wired]:
-    """``wire(url, slo=[...], space=None, mode="offline", max_requests=6)`` -> :class:`Wired`."""
+    """``wire(url, slo=[...], space=None, mode="offline", max_requests=6, objectives=None, rungs=(1.0,),
+    workload=None)`` -> :class:`Wired`: a study put together the way ``tuner run`` does."""
     made: list[Engine] = []
 
     def make(url: str, slo: list[str] | SloSpec = (), space: SearchSpace | None = None, mode: str = "offline",
-             max_requests: int = 6, name: str = "wired") -> Wired:
+             max_requests: int | None = 6, name: str = "wired", objectives: list[str] | None = None,
+             rungs: tuple[float, ...] = (1.0,), workload: Any = None) -> Wired:
         slo_spec = slo if isinstance(slo, SloSpec) else parse_slo(list(slo))
         space = space or build_space(hardware())
+        workload = workload or tiny_workload
+        objectives = objectives or ["goodput_rps"]
+        constraints = study_constraints(slo_spec, capacity=objectives[0] == "capacity_rps",
+                                        latency=latency_constraints(objectives, mode))
         upgrade(url)
         db = make_engine(url)
         made.append(db)
         full = f"{name}-{space.space_hash()}"
-        study_id = record_study(db, full, identity=model_identity(tiny_engine, MODEL), workload=tiny_workload,
-                                workload_spec=WORKLOAD, slo=slo_spec.to_dict(), objectives=["goodput_rps"],
-                                space_hash=space.space_hash(), hardware=hardware(), software=software())
+        settings = MeasureSettings(tuple(objectives), mode, 1.0, max_requests, tuple(constraints))
+        study_id = record_study(db, full, identity=model_identity(as_backend(tiny_engine), MODEL), workload=workload,
+                                workload_spec=str(getattr(workload, "source", WORKLOAD)), slo=slo_spec.to_dict(),
+                                objectives=objectives, space_hash=space.space_hash(), hardware=hardware(),
+                                software=software(), settings={**settings.to_dict(), "model": MODEL})
         recorder = Recorder(db, study_id)
         on_lost = RetryLostTrial()
         on_lost.recorder = recorder
-        study = open_study(open_storage(url, 10, on_lost), full, ["goodput_rps"], slo_spec.constraint_names(),
-                           {"test": True})
-        objective = Objective(engine=tiny_engine, model=MODEL, workload=tiny_workload, space=space,
-                              base=EngineConfig(), slo=slo_spec, objectives=["goodput_rps"], recorder=recorder,
-                              mode=mode, max_requests=max_requests)
+        study = open_study(open_storage(url, 10, on_lost), full, objectives, constraints, {"test": True},
+                           pruner=make_pruner(len(rungs)))
+        measurer = Measurer(tiny_engine, workload, slo_spec, settings)
+        objective = Objective(measurer=measurer, model=MODEL, space=space, base=EngineConfig(), slo=slo_spec,
+                              objectives=objectives, recorder=recorder, constraints=constraints, rungs=rungs)
         return Wired(study, objective, db, study_id, full)
 
     yield make
     for db in made:
         db.dispose()
-
-

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from db.models import Trial
 from db.session import make_engine, session_scope
 from engine.config import EngineConfig
-from tuner import objective as objective_module
+from tuner import measure as measure_module
 from tuner.cli import main
 from tuner.objective import ATTR_INTERRUPTED, ATTR_RETRY_OF, ATTR_STATE
 from tuner.study import counted_trials, run_trials
@@ -56,7 +56,7 @@ def test_infeasible_failed_and_interrupted_trials_are_recorded_and_the_study_goe
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(objective_module, "run_workload", interrupted)
+    monkeypatch.setattr(measure_module, "run_workload", interrupted)
     study.enqueue_trial({**point, "scheduler.max_batch_seqs": 6})
     with pytest.raises(KeyboardInterrupt):
         run_trials(study, obj, 6)  # 5: Ctrl-C: recorded, re-enqueued, and the interrupt goes on up
@@ -92,7 +92,7 @@ def test_a_trial_that_cannot_meet_the_slo_is_cut_short(sqlite_url, wire):
     w.study.enqueue_trial(point)
     run_trials(w.study, w.objective, 1)
     (num, state, error), = _rows(w.db)
-    assert state == "pruned" and error.startswith("cut short after ")
+    assert state == "pruned" and error.startswith("whole workload: stopped after ") and "missed the SLO" in error
     assert w.study.trials[0].state == TrialState.PRUNED
     # Baselines are never cut short: the gain over them needs their numbers.
     w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
@@ -117,13 +117,24 @@ def test_multi_objective_study_and_capacity(sqlite_url, tmp_path, capsys, kit, t
     assert main(["export", "--study", "pareto", "--db", sqlite_url, "--out", str(out), "--rank", "2"]) == 0
     assert json.loads(out.read_text())["metrics"]["objectives"].keys() == {"output_tokens_per_s", "tpot_p99_ms"}
 
-    rc = main(["run", "--model", kit.MODEL, "--workload", kit.WORKLOAD, "--max-requests", "4", "--trials", "1",
-               "--db", sqlite_url, "--study", "cap", "--capacity", "--slo", "ttft_p99_ms=400", "--quiet", "--json"])
+    # Capacity (the default objective): every probe is stored with its rate and attainment.
+    rc = main(["run", "--model", kit.MODEL, "--workload", kit.WORKLOAD, "--max-requests", "8", "--trials", "1",
+               "--db", sqlite_url, "--study", "cap", "--slo", "ttft_p99_ms=400", "--noise-repeats", "0",
+               "--confirm-repeats", "0", "--quiet", "--json"])
     assert rc == 0, capsys.readouterr().err
     with session_scope(make_engine(sqlite_url)) as s:
         trial = s.scalars(select(Trial).where(Trial.baseline_name == "defaults").order_by(Trial.id.desc())).first()
         summary = trial.summary
-    assert summary["capacity_probes"] and summary["capacity_rate_scale"] >= 0
-    first = [r.arrival_s for r in tiny_workload.requests[:4]]
-    rate_per_s = 3 / (first[-1] - first[0])
-    assert summary["capacity_rps"] == pytest.approx(summary["capacity_rate_scale"] * rate_per_s)
+        (m,) = [m for m in trial.measurements if m.purpose == "search"]
+        probes = [(p.rate_scale, p.rate_rps, p.attainment, p.met) for p in m.probes]
+        value = m.value
+        columns = (trial.capacity_rps, trial.fidelity, trial.measured_s, trial.overhead_s)
+    first = [r.arrival_s for r in tiny_workload.requests[:8]]
+    rate_per_s = 7 / (first[-1] - first[0])
+    assert probes and all(rps == pytest.approx(scale * rate_per_s) for scale, rps, _, _ in probes)
+    assert all(met == (a >= 0.9) for _, _, a, met in probes)
+    capacity, fidelity, measured_s, overhead_s = columns
+    assert summary["capacity_probes"] == len(probes) and capacity == summary["capacity_rps"] == value
+    met = [rps for _, rps, _, ok in probes if ok]
+    assert capacity == 0 if not met else summary["capacity_lo_rps"] == pytest.approx(max(met))
+    assert fidelity == 1.0 and measured_s > 0 and overhead_s >= 0

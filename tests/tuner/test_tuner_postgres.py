@@ -26,5 +26,5 @@ def test_study_on_postgresql(pg_server, capsys, kit):
     assert main([*args[:args.index("--trials") + 1], "3", *args[args.index("--trials") + 2:]]) == 0  # resume
     assert len(optuna.load_study(study_name=name, storage=url).trials) == 3
     assert main(["show", "--study", "pg", "--db", url]) == 0
-    assert "gain over baselines" in capsys.readouterr().out
+    assert "finding: " in capsys.readouterr().out
     db.dispose()

@@ -21,11 +21,13 @@ from tuner.slo import (
     SLO_METRICS,
     Progress,
     SloError,
+    certain_meets,
     certain_misses,
     evaluate,
-    find_capacity,
     parse_slo,
     request_meets,
+    study_constraints,
+    target_certain,
     target_unreachable,
 )
 from tuner.study import parse_duration
@@ -119,14 +121,14 @@ def test_attainment_goodput_and_constraints_on_hand_made_requests():
     assert r.goodput_rps == pytest.approx(2 / 4.0)
     assert r.goodput_tokens_per_s == pytest.approx((6 + 1) / 4.0)
     assert r.constraints["attainment_min"] == pytest.approx(1 - 0.4 / 0.9)
-    assert r.constraints["ttft_p99_ms"] == pytest.approx(summary["ttft_ms_p99"] / 1000 - 1)
+    assert r.constraints["ttft_p99_ms"] == pytest.approx(summary["ttft_p99_ms"] / 1000 - 1)
     assert r.constraints["ttft_p99_ms"] > 0 and r.constraints["tpot_p99_ms"] > 0
     assert r.unmeasured == ["quality_min"] and r.constraints["quality_min"] == 0.0
     assert not r.feasible and set(r.violated()) == {"attainment_min", "ttft_p99_ms", "tpot_p99_ms"}
     loose = evaluate(result.requests, summary, 4.0, parse_slo(["ttft_p99_ms=5000", "attainment_min=0.5"]))
     assert loose.attainment == pytest.approx(4 / 5) and loose.feasible  # all but the rejected one
     # Nothing finished: latency percentiles are missing, which violates their bounds.
-    none = evaluate([REJECTED], {"ttft_ms_p99": None, "tpot_ms_p99": None}, 1.0, slo)
+    none = evaluate([REJECTED], {"ttft_p99_ms": None, "tpot_p99_ms": None}, 1.0, slo)
     assert none.attainment == 0 and none.constraints["ttft_p99_ms"] == 1.0 and not none.feasible
 
 
@@ -148,19 +150,34 @@ def test_certain_misses_use_lower_bounds_only():
     assert not target_unreachable(6, 6, None)
 
 
-def test_capacity_bisects_to_the_highest_rate_meeting_the_target():
-    def attainment_at(scale: float) -> float:
-        return 1.0 if scale <= 3.0 else 0.5
+def test_certain_meets_and_decided_targets():
+    limits = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
+    progress = [
+        Progress(0.0, first_token_s=0.2, finish_s=0.6, output_tokens=5),  # tpot exactly 100 ms: met, not certainly
+        Progress(0.0, first_token_s=0.1, finish_s=0.4, output_tokens=5),  # met: tpot 75 ms
+        Progress(0.5, first_token_s=0.6),  # still running: not counted
+        Progress(1.0, rejected=True),
+    ]
+    assert certain_meets(progress, limits) == 1  # the first one is exactly at the limit: not certain
+    assert target_certain(10, 9, 0.9) and not target_certain(10, 8, 0.9) and not target_certain(10, 9, None)
+    # A request still decoding already has a TPOT of at least the time so far over its max tokens.
+    slow = Progress(0.0, first_token_s=0.1, max_new_tokens=5)
+    assert certain_misses([slow], 0.45, limits) == 0  # (0.45 - 0.1) / 4 = 87 ms so far
+    assert certain_misses([slow], 0.55, limits) == 1  # 112 ms: it can only get worse
 
-    up = find_capacity(attainment_at, 0.9, 1.0, max_probes=12, rel_tol=0.05)
-    assert up.bounded and 3.0 / 1.05 <= up.rate_scale <= 3.0
-    assert up.probes[0] == (1.0, 1.0) and all(a == attainment_at(s) for s, a in up.probes)
-    down = find_capacity(attainment_at, 0.9, 16.0, max_probes=12, rel_tol=0.05)
-    assert 3.0 / 1.05 <= down.rate_scale <= 3.0
-    never = find_capacity(lambda s: 0.0, 0.9, 1.0, min_rate_scale=0.1)
-    assert never.rate_scale == 0.0
-    always = find_capacity(lambda s: 1.0, 0.9, 1.0, max_probes=3)
-    assert not always.bounded and always.rate_scale == 4.0 and len(always.probes) == 3
+
+def test_constraints_per_objective():
+    slo = parse_slo(["ttft_p99_ms=1000", "tpot_p99_ms=100", "quality_min=0.9", "output_tokens_per_s_min=5"])
+    assert study_constraints(slo, capacity=True, latency=False) == ["output_tokens_per_s_min", "quality_min",
+                                                                    "attainment_min"]
+    assert study_constraints(slo, capacity=False, latency=False) == ["output_tokens_per_s_min", "quality_min"]
+    assert study_constraints(slo, capacity=False, latency=True) == slo.constraint_names()
+    assert "attainment_min" in slo.constraint_names()
+    # Old spellings of metric names are read, and unknown ones are one line.
+    assert parse_slo(["ttft_ms_p99=500"]).bounds == {"ttft_p99_ms": 500.0}
+    with pytest.raises(SloError) as e:
+        parse_slo(["ttft_p99_msec=1"])
+    assert "did you mean ttft_p99_ms" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_objectives_directions_pareto_and_gain():
@@ -175,7 +192,8 @@ def test_objectives_directions_pareto_and_gain():
     assert pareto_ranks(points, dirs) == [1, 1, 2, 0]
     assert gain(4.0, 2.0, "maximize") == 2.0 and gain(50.0, 100.0, "minimize") == 2.0
     assert gain(1.0, 0.0, "maximize") == math.inf and gain(None, 1.0, "maximize") is None
-    metrics = trial_metrics({"ttft_ms_p99": 12.0, "output_tokens_per_s": 5.0}, {"goodput_rps": 1.5})
+    metrics = trial_metrics({"ttft_p99_ms": 12.0, "output_tokens_per_s": 5.0}, {"goodput_rps": 1.5})
+    assert trial_metrics({"ttft_ms_p99": 12.0})["ttft_p99_ms"] == 12.0  # summaries stored before the table
     assert metrics["ttft_p99_ms"] == 12.0 and metrics["goodput_rps"] == 1.5
     assert objective_values(metrics, ["goodput_rps", "ttft_p99_ms"]) == [1.5, 12.0]
     assert "not measured" in objective_values(metrics, ["tpot_p99_ms"])

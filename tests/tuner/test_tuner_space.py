@@ -152,7 +152,11 @@ def test_baselines_are_points_of_the_space_or_left_out():
     pinned = build_space(HW, fixed={"scheduler.max_batch_seqs": 8})
     names = [b.name for b, _ in baseline_points(pinned, BaselineContext(hardware=HW))]
     assert "defaults" in names and not {"hf-static-like", "llama.cpp-like"} & set(names)
-    assert "llama.cpp --cpu-moe" in names  # sets only expert knobs, so pinning the batch size keeps it
+    assert "llama.cpp --cpu-moe" not in names  # places experts between tiers: only where an accelerator exists
+    gpu = {**HW, "gpu": {"name": "NVIDIA H200", "count": 1}}
+    with_gpu = [b.name for b, _ in baseline_points(build_space(gpu, fixed={"scheduler.max_batch_seqs": 8}),
+                                                   BaselineContext(hardware=gpu))]
+    assert "llama.cpp --cpu-moe" in with_gpu  # sets only expert knobs, so pinning the batch size keeps it
     # Out of range, or rejected by the engine's cross-field checks: left out.
     odd = [Baseline("huge", "", {"scheduler.max_batch_seqs": 10_000}),
            Baseline("bad-mix", "", {}),
@@ -160,7 +164,11 @@ def test_baselines_are_points_of_the_space_or_left_out():
     wide = build_space(HW, registry=_registry_with("scheduler.max_batch_tokens", low=8))
     odd[1] = Baseline("bad-mix", "", {"scheduler.max_batch_seqs": 32, "scheduler.max_batch_tokens": 16})
     assert wide.problems({**wide.defaults(EngineConfig()), **odd[1].values(BaselineContext())}) == []
-    assert [b.name for b, _ in baseline_points(wide, BaselineContext(hardware=HW), odd)] == ["per-model"]
+    skipped: list[tuple[str, str]] = []
+    assert [b.name for b, _ in baseline_points(wide, BaselineContext(hardware=HW), odd, skipped)] == ["per-model"]
+    # Each baseline left out is said, with why (the command prints them).
+    assert [n for n, _ in skipped] == ["huge", "bad-mix"] and all(why for _, why in skipped)
+    assert "10000" in skipped[0][1]
     kept = baseline_points(space, BaselineContext(hardware=HW), odd)
     assert [(b.name, v["scheduler.max_batch_seqs"]) for b, v in kept] == [("per-model", 2)]
     assert len({b.name for b in BASELINES}) == len(BASELINES)

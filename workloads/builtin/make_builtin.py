@@ -32,6 +32,11 @@ BUILTINS: dict[str, dict[str, Any]] = {
         description="Long prompts (1k-4k tokens) with short replies, Poisson at 0.5 req/s.",
         n_requests=24, arrival="poisson", rate_per_s=0.5, prompt_len="uniform:1024:4096",
         output_len="lognormal:64:0.5:16:256", seed=4, tag="long-prompt"),
+    "quick": dict(
+        description="24 short chat turns at 16 req/s: the default `tuner run`, where one capacity probe of the "
+                    "small model takes a few seconds on a laptop CPU.",
+        n_requests=24, arrival="poisson", rate_per_s=16.0, prompt_len="lognormal:24:0.5:8:64",
+        output_len="lognormal:12:0.5:4:32", seed=6, tag="quick"),
     "tiny": dict(
         description="12 short requests over about 3 s: for tests and the default tuner run on a laptop CPU.",
         n_requests=12, arrival="poisson", rate_per_s=4.0, prompt_len="uniform:8:48", output_len="uniform:4:16",

@@ -1,0 +1,124 @@
+"""The capacity search against synthetic attainment curves, and the statistics of repeated runs (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tuner.capacity import COLD_STEP, MAX_PROBES, REL_TOL, WARM_STEP, Probe, find_capacity, probes_needed
+from tuner.stats import (
+    NO_GAIN,
+    describe_gain,
+    gain_interval,
+    interval,
+    noise_of,
+    verdict,
+    within_noise,
+)
+
+
+def curve(knee: float, width: float = 0.15):
+    """Attainment falling smoothly through 0.9 at ``knee`` (logistic in log rate), like a real replay."""
+
+    def attainment(scale: float) -> float:
+        x = math.log(scale / knee) / width
+        return 1.0 / (1.0 + math.exp(x - math.log(9.0)))  # = 0.9 at the knee
+
+    return attainment
+
+
+@pytest.mark.parametrize("knee", [0.2, 0.37, 1.0, 1.7, 3.3, 7.9])
+@pytest.mark.parametrize("start", [1.0, 2.5])
+def test_finds_the_knee_within_the_tolerance_in_the_stated_probes(knee, start):
+    calls = []
+
+    def probe(scale):
+        calls.append(scale)
+        return curve(knee)(scale)
+
+    got = find_capacity(probe, 0.9, start, max_probes=12)
+    assert got.bounded and not got.stopped_early
+    # The knee lies in the final bracket, which is within the tolerance...
+    assert got.lo <= knee <= got.hi and got.hi / got.lo <= 1 + REL_TOL
+    # ...so the estimate (the bracket's geometric middle) is within half of it.
+    assert abs(math.log(got.rate_scale / knee)) <= math.log(1 + REL_TOL) / 2 + 1e-9
+    assert len(calls) == len(got.probes) <= probes_needed(knee / start, REL_TOL, COLD_STEP)
+    assert [p.rate_scale for p in got.probes] == calls
+    if 1 / 8 <= knee / start <= 8:  # the default budget covers a knee within 8x of the start
+        assert len(calls) <= MAX_PROBES
+
+
+def test_stated_probe_counts():
+    assert probes_needed(1.0) == 1 + 1 + 3  # start, one step past, three bisections of a doubling
+    assert probes_needed(8.0) == 1 + 3 + 3 <= MAX_PROBES  # 2, 4, 8: the knee at 8x still fits the default
+    assert probes_needed(1.2, first_step=WARM_STEP) <= 4
+
+
+def test_the_incumbent_stops_a_config_that_cannot_beat_it_after_one_probe():
+    seen = []
+
+    def probe(scale):
+        seen.append(scale)
+        return curve(2.0)(scale)
+
+    # The best so far is at 3.0 with 10 % noise: this config's knee at 2.0 misses at 2.7.
+    got = find_capacity(probe, 0.9, incumbent=3.0, margin=0.1)
+    assert got.stopped_early and seen == [pytest.approx(2.7)] and got.hi == pytest.approx(2.7)
+    assert got.rate_scale == 0.0 and "cannot beat" in got.reason
+    # A config within the noise of the incumbent is searched to its knee from there (warm steps).
+    seen.clear()
+    near = find_capacity(probe, 0.9, incumbent=2.1, margin=0.1)
+    assert not near.stopped_early and near.lo <= 2.0 <= near.hi
+    assert seen[0] == pytest.approx(1.89) and len(seen) <= probes_needed(2.0 / 1.89, first_step=WARM_STEP)
+    # A better one is found above the incumbent.
+    better = find_capacity(curve(5.0), 0.9, incumbent=2.0, margin=0.1, max_probes=12)
+    assert better.lo <= 5.0 <= better.hi
+
+
+def test_edges_floor_ceiling_and_probe_objects():
+    never = find_capacity(lambda s: 0.0, 0.9, 1.0, min_rate_scale=0.125)
+    assert never.rate_scale == 0.0 and never.hi == 0.125 and never.lo is None
+    assert [p.rate_scale for p in never.probes] == [1.0, 0.5, 0.25, 0.125]  # halving down to the floor
+    always = find_capacity(lambda s: 1.0, 0.9, 1.0, max_probes=3)
+    assert not always.bounded and always.rate_scale == always.lo == 4.0 and len(always.probes) == 3
+    # A probe stopped once its verdict was certain reports met/missed itself.
+    got = find_capacity(lambda s: Probe(s, 0.95 if s <= 2 else 0.5, s <= 2, stopped=True), 0.9, 1.0)
+    assert got.lo <= 2.0 <= got.hi and all(p.stopped for p in got.probes)
+    with pytest.raises(ValueError):
+        find_capacity(lambda s: 1.0, 1.5)
+
+
+def test_intervals_gains_and_verdicts():
+    few = interval([3.0, 1.0, 2.0])
+    assert (few.median, few.lo, few.hi, few.method) == (2.0, 1.0, 3.0, "min-max")
+    many = interval([1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98])
+    assert many.method.startswith("bootstrap") and many.lo <= many.median <= many.hi
+    assert many.lo >= 0.9 and many.hi <= 1.1
+    assert interval([1.0, 1.1, 0.9, 1.05, 0.95]) == interval([1.0, 1.1, 0.9, 1.05, 0.95])  # seeded
+    # Fewer than five runs: the range of every ratio of one config's runs to the other's.
+    g = gain_interval([4.0, 4.4, 4.2], [2.0, 2.1, 2.05])
+    assert g.median == pytest.approx(4.2 / 2.05) and g.method == "min-max"
+    assert (g.lo, g.hi) == (pytest.approx(4.0 / 2.1), pytest.approx(4.4 / 2.0)) and verdict(g) == "gain"
+    assert describe_gain(g, "defaults") == "x2.05 over defaults (1.90-2.20, 3 runs each)"
+    tie = gain_interval([1.0, 1.1, 0.95], [1.02, 1.0, 1.0])
+    assert verdict(tie) == NO_GAIN and describe_gain(tie, "defaults").endswith(NO_GAIN)
+    assert verdict(gain_interval([1.0], [2.0])) == "loss"
+    assert gain_interval([None], [1.0]) is None and verdict(None) == "not measured"
+    assert gain_interval([10.0, 10.0], [20.0, 20.0], direction="minimize").median == 2.0
+    # Five or more runs: a bootstrap of the ratio of medians, seeded.
+    a, b = [2.0, 2.2, 1.9, 2.1, 2.05], [1.0, 1.05, 0.95, 1.1, 1.0]
+    boot = gain_interval(a, b)
+    assert boot.method.startswith("bootstrap") and boot == gain_interval(a, b)
+    assert boot.median == pytest.approx(2.05) and verdict(boot) == "gain"
+    assert 1.7 < boot.lo <= boot.median <= boot.hi < 2.4
+
+
+def test_noise_and_whether_trials_differ_beyond_it():
+    noise = noise_of([3.0, 3.3, 3.15])
+    assert noise.n == 3 and noise.rel_spread == pytest.approx(0.3 / 3.15)
+    assert noise_of([3.0]) is None
+    assert within_noise([3.1, 3.2, 3.05, 3.25, 3.0, 3.3], noise)  # six draws of the same noise
+    assert not within_noise([1.0, 3.1, 3.2, 6.0], noise)  # a knob that matters
+    assert within_noise([1.0, 2.0], None) is None
+    assert within_noise([0.0, 0.0, 0.0], None)  # every config the same: nothing to rank

@@ -1,0 +1,116 @@
+"""The tuner's answer is a finding: a knob that acts is ranked first and its gain confirmed beyond the noise;
+when nothing acts, it says so. Real studies on the tiny model (offline replays: a second or less each)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from sqlalchemy import select
+
+from db.models import MeasurementRow, Study
+from db.session import session_scope
+from engine.config import Search, knobs
+from engine.hwinfo import hardware
+from tuner.baselines import Baseline, BaselineContext, baseline_points
+from tuner.export import find_study, study_report
+from tuner.findings import confirmation
+from tuner.importance import param_importance, verdict
+from tuner.repeats import NoisePhase, confirm
+from tuner.report import print_report
+from tuner.space import build_space
+from tuner.stats import NO_GAIN
+from tuner.study import enqueue_baselines, run_trials
+from workloads.synth import synth_workload
+
+BATCH = "scheduler.max_batch_seqs"
+#: Greedy decoding never reads top-p: a knob that cannot act.
+NEUTRAL = "sampling.top_p"
+
+
+@pytest.fixture(scope="module")
+def decode_heavy():
+    """32 requests of 16 output tokens, all at once: throughput grows with the sequences batched together,
+    up to the 32 the search may batch."""
+    return synth_workload("decode-heavy", 32, arrival="offline", prompt_len="uniform:8:16", output_len="16",
+                          seed=11)
+
+
+def _space(keys):
+    ranges = {NEUTRAL: Search(low=0.5, high=1.0), BATCH: Search(low=1, high=32, log=True)}
+    registry = [dataclasses.replace(k, search=ranges[k.key]) for k in knobs() if k.key in keys]
+    return build_space(hardware(), registry=registry)
+
+
+def _study(wire, sqlite_url, workload, keys, baselines, trials, name):
+    w = wire(sqlite_url, slo=["quality_min=0.5"], space=_space(keys), mode="offline", max_requests=None,
+             objectives=["output_tokens_per_s"], workload=workload, name=name)
+    points = baseline_points(w.objective.space, BaselineContext(base=w.objective.base), baselines)
+    assert [b.name for b, _ in points] == [b.name for b in baselines]
+    enqueue_baselines(w.study, points)
+    noise = NoisePhase(w.objective.measurer, w.objective.recorder, 3)
+    w.objective.margin = noise.margin
+    run_trials(w.study, w.objective, trials, between=noise)
+    return w
+
+
+def _report(w):
+    with session_scope(w.db) as s:
+        return study_report(s, find_study(s, w.name))
+
+
+def test_a_knob_that_acts_ranks_first_and_its_gain_is_confirmed(sqlite_url, wire, decode_heavy, capsys):
+    one = Baseline("one-at-a-time", "one sequence per step", {BATCH: 1})
+    w = _study(wire, sqlite_url, decode_heavy, {BATCH, NEUTRAL}, [Baseline("defaults", "", {}), one], 14, "acts")
+    imp = param_importance(w.study)
+    assert max(imp["importances"], key=imp["importances"].get) == BATCH
+    session = confirm(w.objective.measurer, w.db, w.study_id, top=1, repeats=3)
+    report = _report(w)
+    conf = report["confirmation"]
+    assert session == conf["session"] == 1 and conf["repeats"] == 3
+    gains = {g["baseline"]: g for g in conf["gains"]}
+    assert gains["one-at-a-time"]["verdict"] == "gain" and gains["one-at-a-time"]["gain"]["lo"] > 2
+    assert report["within_noise"] is False
+    ranked = verdict(imp, report["within_noise"], report["noise"])
+    assert ranked["ranked"] and next(iter(ranked["importances"])) == BATCH
+    print_report({**report, "importance": ranked})
+    out = capsys.readouterr().out
+    assert "over one-at-a-time" in out and f"parameter importance: {BATCH}" in out
+
+
+def test_when_nothing_acts_the_finding_says_no_gain_beyond_noise(sqlite_url, wire, decode_heavy, capsys):
+    w = _study(wire, sqlite_url, decode_heavy, {NEUTRAL}, [Baseline("defaults", "", {})], 6, "inert")
+    confirm(w.objective.measurer, w.db, w.study_id, top=1, repeats=5)
+    report = _report(w)
+    conf = report["confirmation"]
+    (g,) = conf["gains"]
+    assert g["baseline"] == "defaults" and g["verdict"] == NO_GAIN and g["gain"]["method"].startswith("bootstrap")
+    assert g["gain"]["lo"] <= 1 <= g["gain"]["hi"]
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "finding: no config beats the defaults beyond noise on this machine" in out
+
+
+def test_confirm_interleaves_records_the_order_and_its_intervals_hold_the_medians(sqlite_url, wire, decode_heavy):
+    one = Baseline("one-at-a-time", "one sequence per step", {BATCH: 1})
+    w = _study(wire, sqlite_url, decode_heavy, {BATCH}, [Baseline("defaults", "", {}), one], 5, "order")
+    first = confirm(w.objective.measurer, w.db, w.study_id, top=2, repeats=3)
+    second = confirm(w.objective.measurer, w.db, w.study_id, top=1, repeats=2)
+    assert (first, second) == (1, 2)
+    with session_scope(w.db) as s:
+        study = s.scalars(select(Study).where(Study.id == w.study_id)).one()
+        rows = s.scalars(select(MeasurementRow).where(MeasurementRow.purpose == "confirm", MeasurementRow.session == 1)
+                         .order_by(MeasurementRow.seq)).all()
+        order = [(r.repeat, r.trial.number) for r in rows]
+        older = confirmation(s, study, session_no=1)
+        latest = confirmation(s, study)
+    picked = [n for r, n in order if r == 0]
+    assert len(picked) == len(set(picked)) >= 3  # two searched configs (or fewer distinct) and both baselines
+    assert order == [(r, n) for r in range(3) for n in picked]  # A B C A B C A B C
+    assert older["order"] == [n for _, n in order] and latest["session"] == 2 and latest["repeats"] == 2
+    for summary in (older, latest):
+        for c in summary["configs"]:
+            iv = c["interval"]
+            assert iv["lo"] <= iv["median"] <= iv["hi"] and iv["n"] == summary["repeats"]
+        for g in summary["gains"]:
+            assert g["gain"]["lo"] <= g["gain"]["median"] <= g["gain"]["hi"]
