@@ -133,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     if getattr(args, "config", None):
         _warn_if_tuned_elsewhere(args.config, args.model)
-    backend = make_backend(args.model, cfg, kind=args.backend, **_backend_options(args))
+    backend = make_backend(args.model, cfg, kind=args.backend, **backend_options(args))
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
@@ -178,7 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     """What ``make_backend`` takes besides the model and config, from ``--profile`` and the synthetic
     routing flags (the sim backend's; refused with another backend)."""
     kind = getattr(args, "backend", "live")
@@ -338,7 +338,7 @@ def _bench_sim(args: argparse.Namespace, batches: list[int]) -> int:
 
     if args.backend != "sim":
         raise ConfigError(f"engine bench --backend {args.backend}: bench runs live or sim (the stub prices nothing)")
-    backend = make_backend(args.model, _engine_config(args), kind="sim", **_backend_options(args))
+    backend = make_backend(args.model, _engine_config(args), kind="sim", **backend_options(args))
     res = sim_bench(backend, batches, args.prompt_len, args.new_tokens)
     prof = res["profile"]
     print(f"model {res['model']}: simulated on profile {prof['name']} (calibrated: {str(prof['calibrated']).lower()}), "
@@ -359,7 +359,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
     if args.backend != "live":
         return _bench_sim(args, batches)
-    _backend_options(args)  # refuses --profile and the routing flags without --backend sim
+    backend_options(args)  # refuses --profile and the routing flags without --backend sim
     engine = _load_engine(args)
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
