@@ -272,8 +272,8 @@ def cmd_validate_sim(args: argparse.Namespace) -> int:
     print(f"model {args.model}; workload {workload.name} ({args.mode}, {args.max_requests or 'all'} requests); "
           f"profile {prof.name} (calibrated: {str(prof.calibrated).lower()}); {res['configs']} configs; "
           f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
-    short = {"output_tokens_per_s": "tok/s", "tpot_ms_p99": "p99 TPOT ms", "ttft_ms_p99": "p99 TTFT ms",
-             "tpot_ms_p50": "p50 TPOT ms"}
+    short = {"output_tokens_per_s": "tok/s", "tpot_p99_ms": "p99 TPOT ms", "ttft_p99_ms": "p99 TTFT ms",
+             "tpot_p50_ms": "p50 TPOT ms"}
     rows = []
     for i, r in enumerate(res["rows"]):
         row: dict[str, Any] = {"#": i + 1}

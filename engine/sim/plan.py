@@ -101,8 +101,8 @@ def plan(model: str, profiles: list[Any], workload: Any, base: Any, *, max_reque
                 return evaluate(r.requests, r.summary(), r.duration_s, slo).attainment
 
             cap = find_capacity(attainment_at, target, 1.0) if target is not None else None
-            row.update(offline_tokens_per_s=off["output_tokens_per_s"], ttft_p99_ms=s.get("ttft_ms_p99"),
-                       tpot_p99_ms=s.get("tpot_ms_p99"),
+            row.update(offline_tokens_per_s=off["output_tokens_per_s"], ttft_p99_ms=s.get("ttft_p99_ms"),
+                       tpot_p99_ms=s.get("tpot_p99_ms"),
                        capacity_rps=None if cap is None else cap.rate_scale * base_rps,
                        capacity_bounded=None if cap is None else cap.bounded)
             out.append(row)

@@ -256,7 +256,9 @@ def test_validate_sim_command_ends_with_its_json(make_ckpt, capsys):
     assert got["configs"] == 1 and got["profile"]["calibrated"] is False
     row = got["rows"][0]
     assert row["same_steps"] and row["live"]["output_tokens_per_s"] > 0 and row["sim"]["output_tokens_per_s"] > 0
-    assert set(got["summary"]) >= {"output_tokens_per_s", "tpot_ms_p99", "ttft_ms_p99", "spearman_output_tokens_per_s"}
+    assert set(got["summary"]) >= {"output_tokens_per_s", "tpot_p99_ms", "ttft_p99_ms", "spearman_output_tokens_per_s"}
+    for side in ("live", "sim"):  # every metric read from the run's summary under its registered name
+        assert all(row[side][m] is not None and row[side][m] > 0 for m in ("tpot_p99_ms", "ttft_p99_ms")), row[side]
 
 
 def test_bench_runs_simulated_and_refuses_sim_flags_live(capsys):
