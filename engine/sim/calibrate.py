@@ -112,14 +112,15 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
         log.warning("native kernels unavailable (%s): the profile prices the torch paths", e)
         native = False
     if native:
-        for prec in ("bf16", "int8"):
+        for prec, cdt in (("bf16", torch.float32), ("int8", torch.float32)):  # the native kernels take fp32
+            comp = "fp32" if cdt == torch.float32 else "bf16"
             n_exp = 8
             one = {0: versions[prec]}
             many = {e: versions[prec] for e in range(n_exp)}
             ef, call = [], []
             grid = [n for n in TOKEN_GRID if n <= 32]
             for n in grid:
-                x = torch.randn(n, h)
+                x = torch.randn(n, h, dtype=cdt)
                 ids1 = torch.zeros(n, 1, dtype=torch.int64)
                 idsk = torch.arange(n_exp).repeat(n, 1)
                 g1, gk = torch.ones(n, 1), torch.ones(n, n_exp) / n_exp
@@ -128,9 +129,9 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
                 e_s = max((tk - t1) / (n_exp - 1), t1 * 0.05)
                 ef.append(e_s)
                 call.append(max(t1 - e_s, 1e-7))
-            tables[f"expert_fused:{prec}@fp32"] = {"x": grid, "seconds": ef, "shape": shape}
+            tables[f"expert_fused:{prec}@{comp}"] = {"x": grid, "seconds": ef, "shape": shape}
             if prec == "bf16":
-                tables["moe_fused_call@fp32"] = {"x": grid, "seconds": call, "shape": {"hidden": h}}
+                tables[f"moe_fused_call@{comp}"] = {"x": grid, "seconds": call, "shape": {"hidden": h}}
     progress("host: dense products")
     for prec in ("fp32", "bf16"):
         w = w13[:h].contiguous().to(torch.float32 if prec == "fp32" else torch.bfloat16)
@@ -139,6 +140,22 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
             x = torch.randn(n, h)
             secs.append(_time(lambda x=x, w=w: kernels.linear(x, w), _reps(n)))
         tables[f"matmul:{prec}@fp32"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
+    # compute_dtype=checkpoint on a bf16 checkpoint: bf16 activations, whose products take other paths
+    # (5-10x slower than fp32 from 64 tokens on a CPU without AMX; a roofline from one bf16 GEMM misses
+    # by as much either way).
+    progress("host: expert and dense products at bf16 compute")
+    for prec in ("bf16", "int8", "int4"):
+        secs = []
+        for n in TOKEN_GRID:
+            x = torch.randn(n, h, dtype=torch.bfloat16)
+            secs.append(_time(lambda v=versions[prec], x=x: swiglu(v, x, True), 3 if n >= 64 else _reps(n)))
+        tables[f"expert:{prec}@bf16"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": shape}
+    w = w13[:h].contiguous().to(torch.bfloat16)
+    secs = []
+    for n in TOKEN_GRID:
+        x = torch.randn(n, h, dtype=torch.bfloat16)
+        secs.append(_time(lambda x=x, w=w: kernels.linear(x, w), 3 if n >= 64 else _reps(n)))
+    tables["matmul:bf16@bf16"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
     progress("host: thread scaling")
     threads = torch.get_num_threads()
     scaling: dict[str, float] = {}

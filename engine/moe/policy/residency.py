@@ -578,25 +578,50 @@ class ExpertCache:
         """Expert ids cached at ``layer``, sorted."""
         return sorted(self._last_used[layer])
 
-    def _victim(self, layer: int, pinned: set[int]) -> int | None:
-        entries = [e for e in self._last_used[layer] if e not in pinned]
-        if not entries:
-            return None
-        last = self._last_used[layer]
-        if self.policy == "lru":
-            return min(entries, key=lambda e: (last[e], -e))
-        return min(entries, key=lambda e: (int(self._freq[layer, e]), last[e], -e))
-
-    def _admit(self, layer: int, expert: int, pinned: set[int], evicted: list[int]) -> bool:
+    # Every write to a layer's dict stores a fresh clock and moves the expert to the end, so the
+    # dict iterates in recency order (least recent first) and clocks never tie: LRU's victim is the
+    # first expert not in use, without sorting.
+    def _victims(self, layer: int, pinned: set[int], n: int) -> list[int]:
+        """The next ``n`` (at most) experts to evict at ``layer``, none of them in ``pinned``, in
+        eviction order. Experts outside ``pinned`` are not touched by the access or prefetch that
+        asks, so the order does not change while their slots are handed out."""
+        if n <= 0:
+            return []
         cache = self._last_used[layer]
-        if len(cache) >= self.capacity_experts[layer]:
-            victim = self._victim(layer, pinned)
-            if victim is None:
-                return False
-            del cache[victim]
-            evicted.append(victim)
-        cache[expert] = self._clock
-        return True
+        if self.policy == "lru":
+            out: list[int] = []
+            for e in cache:
+                if e not in pinned:
+                    out.append(e)
+                    if len(out) == n:
+                        break
+            return out
+        freq = self._freq[layer]
+        entries = [e for e in cache if e not in pinned]
+        return sorted(entries, key=lambda e: (int(freq[e]), cache[e], -e))[:n]
+
+    def _admit_all(self, layer: int, ids: list[int], pinned: set[int]) -> tuple[list[int], list[int], list[int]]:
+        """Hits refreshed, misses admitted in order (evicting as needed), one clock tick per id, as if
+        each were handled in turn; returns (hits, misses, evicted)."""
+        cache = self._last_used[layer]
+        misses = [e for e in ids if e not in cache]
+        room = max(0, self.capacity_experts[layer] - len(cache))
+        victims = self._victims(layer, pinned, len(misses) - room)
+        admitted = set(misses[:room + len(victims)])
+        for v in victims:
+            del cache[v]
+        hits: list[int] = []
+        clock = self._clock
+        for e in ids:
+            clock += 1
+            if e in cache:
+                del cache[e]
+                cache[e] = clock
+                hits.append(e)
+            elif e in admitted:
+                cache[e] = clock
+        self._clock = clock
+        return hits, misses, victims
 
     def _unique(self, layer: int, experts: Iterable[int]) -> list[int]:
         if not 0 <= layer < self.n_layers:
@@ -613,20 +638,9 @@ class ExpertCache:
         Hits refresh recency; misses are admitted in the given order, evicting as needed.
         """
         ids = self._unique(layer, experts)
-        pinned = set(ids)
-        cache = self._last_used[layer]
-        hits: list[int] = []
-        misses: list[int] = []
-        evicted: list[int] = []
-        for e in ids:
-            self._clock += 1
-            self._freq[layer, e] += 1
-            if e in cache:
-                cache[e] = self._clock
-                hits.append(e)
-            else:
-                misses.append(e)
-                self._admit(layer, e, pinned, evicted)
+        if ids:
+            self._freq[layer, ids] += 1  # ids are unique: one count each
+        hits, misses, evicted = self._admit_all(layer, ids, set(ids))
         self.hits += len(hits)
         self.misses += len(misses)
         self.evictions += len(evicted)
@@ -635,14 +649,7 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Admit ``experts`` at ``layer`` ahead of use (no hit or miss counted); returns the evicted ids."""
         ids = self._unique(layer, experts)
-        pinned = set(ids)
-        evicted: list[int] = []
-        for e in ids:
-            self._clock += 1
-            if e in self._last_used[layer]:
-                self._last_used[layer][e] = self._clock
-            else:
-                self._admit(layer, e, pinned, evicted)
+        _, _, evicted = self._admit_all(layer, ids, set(ids))
         self.evictions += len(evicted)
         return evicted
 
