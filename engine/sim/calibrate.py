@@ -156,6 +156,13 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
         x = torch.randn(n, h, dtype=torch.bfloat16)
         secs.append(_time(lambda x=x, w=w: kernels.linear(x, w), 3 if n >= 64 else _reps(n)))
     tables["matmul:bf16@bf16"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
+    progress("host: expert products with torch kernels (cpu_kernels=torch)")
+    for prec in ("bf16", "int8", "int4"):
+        secs = []
+        for n in TOKEN_GRID:
+            x = torch.randn(n, h)
+            secs.append(_time(lambda v=versions[prec], x=x: swiglu(v, x, False), 3 if n >= 64 else _reps(n)))
+        tables[f"expert_torch:{prec}@fp32"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": shape}
     progress("host: thread scaling")
     threads = torch.get_num_threads()
     scaling: dict[str, float] = {}

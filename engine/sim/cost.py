@@ -71,7 +71,7 @@ def table_scale(table: Table | Grid, **shape: int) -> float:
 
 
 def expert_lut(proc: Processor, hidden: int, inter: int, precision: str, compute: str, n_max: int, *,
-               fused: bool = False, group: int = 128) -> np.ndarray:
+               fused: bool = False, group: int = 128, native: bool = True) -> np.ndarray:
     """Seconds of one SwiGLU expert (gate+up [2I, H], down [H, I]) over k = 0..n_max tokens.
 
     ``fused``: inside one fused call for a whole layer (``expert_fused:`` table; the call's own cost is
@@ -79,7 +79,8 @@ def expert_lut(proc: Processor, hidden: int, inter: int, precision: str, compute
     ``call_overhead_s``). At full speed: the step pricer divides by the speed of a share of threads or SMs.
     """
     key = f"{'expert_fused' if fused else 'expert'}:{precision}@{compute}"
-    t = proc.tables.get(key)
+    t = proc.tables.get(f"expert_torch:{precision}@{compute}") if not native and not fused else None
+    t = t or proc.tables.get(key)  # ``expert_torch:``: the products without the CPU engine's native kernels
     if isinstance(t, Table):
         return _log_lut(t, n_max) * table_scale(t, hidden=hidden, inter=inter)
     k = np.arange(n_max + 1, dtype=np.float64)

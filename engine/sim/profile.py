@@ -17,6 +17,7 @@ the pricer combines them):
   ``compute_efficiency``: the roofline used where no table covers an operation;
 - ``tables``: measured operations. A key names the operation, the weight precision and the compute
   precision: ``expert:bf16@fp32`` (one expert's SwiGLU product on the per-expert path, against tokens),
+  ``expert_torch:int8@fp32`` (the same without the CPU engine's native kernels: ``cpu_kernels=torch``),
   ``expert_fused:int8@fp32`` (one expert inside one fused call for a whole layer), ``matmul:bf16@fp32``
   (tokens times one dense weight), ``moe_fused_call@fp32`` and ``moe_grouped_call@fp32`` (a layer
   call's fixed work against tokens or routed slots), ``attention_decode@fp32`` (a grid: decode batch by

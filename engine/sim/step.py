@@ -191,7 +191,8 @@ class StepPricer:
         if key not in self._experts:
             proc = self.fast if side == "fast" else self.host
             arr = cost.expert_lut(proc, self.spec.hidden_size, self.spec.expert_intermediate, precision, self.compute,
-                                  self.slots_max, fused=fused, group=self.group)
+                                  self.slots_max, fused=fused, group=self.group,
+                                  native=self.native or side == "fast" and self.two_tier)
             speed = self.expert_speed if side == "fast" else self.host_speed
             if not self.two_tier and fused:
                 speed = self.fast_speed  # the fused call runs on every runtime thread

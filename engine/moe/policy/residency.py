@@ -626,9 +626,11 @@ class ExpertCache:
     def _unique(self, layer: int, experts: Iterable[int]) -> list[int]:
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must lie in [0, {self.n_layers}), got {layer}")
-        out = list(dict.fromkeys(int(e) for e in experts if int(e) != NO_EXPERT))
-        bad = [e for e in out if not 0 <= e < self.n_experts]
-        if bad:
+        seen = dict.fromkeys(experts.tolist() if isinstance(experts, np.ndarray) else experts)  # first-seen order
+        seen.pop(NO_EXPERT, None)
+        out = [int(e) for e in seen]
+        if out and (min(out) < 0 or max(out) >= self.n_experts):
+            bad = [e for e in out if not 0 <= e < self.n_experts]
             raise ValueError(f"expert ids {bad} are outside [0, {self.n_experts})")
         return out
 
