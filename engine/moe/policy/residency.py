@@ -555,7 +555,10 @@ class ExpertCache:
         self.transitions = transitions if transitions is not None else TransitionTable(self.n_layers, self.n_experts)
         if (self.transitions.n_layers, self.transitions.n_experts) != (self.n_layers, self.n_experts):
             raise ValueError("transitions table shape differs from the cache's")
-        self._last_used: list[dict[int, int]] = [{} for _ in range(self.n_layers)]
+        # The clock of each cached expert's last use (-1: not cached). Every use takes a fresh tick,
+        # so clocks never tie among cached experts.
+        self._last = np.full((self.n_layers, self.n_experts), -1, np.int64)
+        self._size = [0] * self.n_layers
         self._freq = np.zeros((self.n_layers, self.n_experts), np.int64)
         self._clock = 0
         self.hits = 0
@@ -576,52 +579,39 @@ class ExpertCache:
 
     def cached(self, layer: int) -> list[int]:
         """Expert ids cached at ``layer``, sorted."""
-        return sorted(self._last_used[layer])
+        return np.flatnonzero(self._last[layer] >= 0).tolist()
 
-    # Every write to a layer's dict stores a fresh clock and moves the expert to the end, so the
-    # dict iterates in recency order (least recent first) and clocks never tie: LRU's victim is the
-    # first expert not in use, without sorting.
-    def _victims(self, layer: int, pinned: set[int], n: int) -> list[int]:
-        """The next ``n`` (at most) experts to evict at ``layer``, none of them in ``pinned``, in
-        eviction order. Experts outside ``pinned`` are not touched by the access or prefetch that
-        asks, so the order does not change while their slots are handed out."""
-        if n <= 0:
-            return []
-        cache = self._last_used[layer]
-        if self.policy == "lru":
-            out: list[int] = []
-            for e in cache:
-                if e not in pinned:
-                    out.append(e)
-                    if len(out) == n:
-                        break
-            return out
-        freq = self._freq[layer]
-        entries = [e for e in cache if e not in pinned]
-        return sorted(entries, key=lambda e: (int(freq[e]), cache[e], -e))[:n]
-
-    def _admit_all(self, layer: int, ids: list[int], pinned: set[int]) -> tuple[list[int], list[int], list[int]]:
+    def _admit_all(self, layer: int, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
         """Hits refreshed, misses admitted in order (evicting as needed), one clock tick per id, as if
-        each were handled in turn; returns (hits, misses, evicted)."""
-        cache = self._last_used[layer]
-        misses = [e for e in ids if e not in cache]
-        room = max(0, self.capacity_experts[layer] - len(cache))
-        victims = self._victims(layer, pinned, len(misses) - room)
-        admitted = set(misses[:room + len(victims)])
-        for v in victims:
-            del cache[v]
-        hits: list[int] = []
-        clock = self._clock
-        for e in ids:
-            clock += 1
-            if e in cache:
-                del cache[e]
-                cache[e] = clock
-                hits.append(e)
-            elif e in admitted:
-                cache[e] = clock
-        self._clock = clock
-        return hits, misses, victims
+        each were handled in turn; returns (hits, misses, evicted).
+
+        Handled at once: the ids of one call are in use together, so none is evicted by another, and
+        the experts outside them are not touched while their slots are handed out, so the eviction
+        order (LRU: oldest use first; LFU: fewest uses, then oldest) is fixed for the whole call."""
+        if not ids:
+            return [], [], []
+        last = self._last[layer]
+        idx = np.asarray(ids, dtype=np.int64)
+        held = last[idx] >= 0
+        miss_at = np.flatnonzero(~held)
+        room = max(0, self.capacity_experts[layer] - self._size[layer])
+        need = len(miss_at) - room
+        victims = idx[:0]
+        if need > 0:
+            free = last >= 0
+            free[idx] = False
+            cand = np.flatnonzero(free)
+            if len(cand):
+                order = np.argsort(last[cand]) if self.policy == "lru" else \
+                    np.lexsort((-cand, last[cand], self._freq[layer, cand]))
+                victims = cand[order[:need]]
+                last[victims] = -1
+        taken = held.copy()
+        taken[miss_at[:room + len(victims)]] = True
+        last[idx[taken]] = self._clock + 1 + np.flatnonzero(taken)
+        self._clock += len(idx)
+        self._size[layer] += min(len(miss_at), room + len(victims)) - len(victims)
+        return idx[held].tolist(), idx[miss_at].tolist(), victims.tolist()
 
     def _unique(self, layer: int, experts: Iterable[int]) -> list[int]:
         if not 0 <= layer < self.n_layers:
@@ -642,7 +632,7 @@ class ExpertCache:
         ids = self._unique(layer, experts)
         if ids:
             self._freq[layer, ids] += 1  # ids are unique: one count each
-        hits, misses, evicted = self._admit_all(layer, ids, set(ids))
+        hits, misses, evicted = self._admit_all(layer, ids)
         self.hits += len(hits)
         self.misses += len(misses)
         self.evictions += len(evicted)
@@ -651,7 +641,7 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Admit ``experts`` at ``layer`` ahead of use (no hit or miss counted); returns the evicted ids."""
         ids = self._unique(layer, experts)
-        _, _, evicted = self._admit_all(layer, ids, set(ids))
+        _, _, evicted = self._admit_all(layer, ids)
         self.evictions += len(evicted)
         return evicted
 
@@ -664,5 +654,5 @@ class ExpertCache:
         """Up to ``k`` experts of ``next_layer`` to prefetch, most likely first, given the experts
         (or ``{expert: tokens}``) routed to at ``next_layer - 1``; already cached ones are skipped
         unless ``exclude_cached`` is False."""
-        exclude = self._last_used[next_layer] if exclude_cached else ()
+        exclude = self.cached(next_layer) if exclude_cached else ()
         return self.transitions.predict(next_layer, current_ids, k, exclude=exclude)
