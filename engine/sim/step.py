@@ -375,8 +375,8 @@ class StepPricer:
         out.queued += len(d.prefetch) * self.copy_hi
 
     def _step_plan(self, d: StepPlan, out: _Layer) -> None:
-        """:meth:`_layer` of every layer of a step planned at once (one micro-batch, no cache, no
-        replicas), as arrays over layers: the same sums, the same overlap rules."""
+        """:meth:`_layer` of every layer of a step planned at once (one micro-batch, a cache without
+        prefetch or none, no replicas), as arrays over layers: the same sums, the same overlap rules."""
         counts, where = d.counts, d.where
         link = self.profile.link
         assert link is not None
@@ -394,10 +394,11 @@ class StepPricer:
         copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
         device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident, fetch_copy)
         call = self.grouped_call[min(d.n_tokens * self.k_run, self.slots_max)]
-        out.seconds += float((self.fast.part_overhead_s + np.maximum(device, host) + call).sum())
+        admits = d.n_admitted * self.copy_hi if d.n_admitted is not None else 0.0  # synchronous, as in _layer
+        out.seconds += float((self.fast.part_overhead_s + admits + np.maximum(device, host) + call).sum())
         out.fast += float((resident + fetched).sum())
         out.host += float(host.sum())
-        out.copies += float(fetch_copy.sum())
+        out.copies += float(fetch_copy.sum() + np.sum(admits))
 
     # ------------------------------------------------------------------------------------- moves
     def _moves(self, moves: StepMoves) -> tuple[float, float]:

@@ -234,6 +234,8 @@ def test_validate_draws_configs_from_the_tuner_space():
     dict(residency="static", resident_budget_gib=16, missing_expert="auto"),
     dict(residency="dynamic", resident_budget_gib=16, missing_expert="fetch", lo_precision="int8"),
     dict(residency="static", resident_budget_gib=20, missing_expert="host", decode_attention="host"),
+    dict(residency="cache", resident_budget_gib=16, missing_expert="fetch"),
+    dict(residency="cache", resident_budget_gib=12, missing_expert="host", cache_policy="lfu"),
 ])
 def test_pricing_all_layers_at_once_equals_layer_by_layer(monkeypatch, knobs):
     from engine.sim import step
@@ -270,3 +272,27 @@ def test_bench_runs_simulated_and_refuses_sim_flags_live(capsys):
     assert eight["decode_tokens_per_s"] > one["decode_tokens_per_s"] > 0 and one["prefill_tokens_per_s"] > 0
     assert engine_main(["bench", "--profile", "builtin:h100-pcie"]) == 2
     assert "need --backend sim" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(residency="cache", resident_budget_gib=16, missing_expert="fetch"),
+    dict(residency="cache", resident_budget_gib=10, missing_expert="auto", cache_policy="lfu"),
+])
+def test_cache_planned_all_layers_at_once_decides_as_layer_by_layer(monkeypatch, knobs):
+    """The cache's step-wide access (no prefetch, one micro-batch) against one layer after another:
+    the same decisions (cache hits, misses, evictions, admissions, runs) and the same step times."""
+    from engine.moe.policy import controller as ctl
+    from engine.moe.policy.plan import counts_by_layer
+
+    wl = _workload(10, 64, 16)
+    b = make_backend("shape:qwen3-30b-a3b", _small(**knobs), kind="sim", profile="builtin:h100-pcie")
+    fast = run_workload(b, wl, mode="offline", decisions=True)
+
+    def layer_by_layer(self, ids):
+        counts = counts_by_layer(ids, self.settings.n_experts)
+        return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
+
+    monkeypatch.setattr(ctl.ResidencyController, "plan_step", layer_by_layer)
+    slow = run_workload(b, wl, mode="offline", decisions=True)
+    np.testing.assert_allclose([s.duration_ms for s in fast.steps], [s.duration_ms for s in slow.steps], rtol=1e-12)
+    assert fast.decisions and fast.decisions == slow.decisions

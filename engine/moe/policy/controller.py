@@ -46,6 +46,7 @@ from engine.moe.policy.residency import (
     DynamicResidency,
     ExpertCache,
     ResidencyPlan,
+    StepAccess,
     layer_budgets,
     plan_static,
 )
@@ -138,8 +139,12 @@ class StepPlan(Sequence[LayerDecision]):
     trivial = False
 
     def __init__(self, counts: np.ndarray, where: np.ndarray, n_tokens: int,
-                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]]) -> None:
+                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None) -> None:
         self.counts, self.where, self.n_tokens, self.splits = counts, where, n_tokens, splits
+        self.cache = cache
+        """Cache residency: every layer's access of the step (None without a cache)."""
+        self.n_admitted = cache.admitted.sum(1) if cache is not None else None
+        """Experts each layer's cache took in ``[L]`` (None without a cache)."""
 
     def __len__(self) -> int:
         return int(self.counts.shape[0])
@@ -159,7 +164,9 @@ class StepPlan(Sequence[LayerDecision]):
         routed = np.flatnonzero(self.where[li] >= 0)
         arrays = RunArrays(routed.astype(np.int64), self.counts[li, routed].astype(np.int64),
                            self.where[li, routed].astype(np.int8), self.splits.get(li, ()))
-        return LayerDecision(li, self.counts[li], self.n_tokens, (PartPlan(0, self.n_tokens, None, None, (), arrays),))
+        access, admitted = self.cache.layer(li) if self.cache is not None else (None, ())
+        return LayerDecision(li, self.counts[li], self.n_tokens,
+                             (PartPlan(0, self.n_tokens, None, access, admitted, arrays),))
 
 
 class ResidencyController:
@@ -249,17 +256,37 @@ class ResidencyController:
                     self.log.layer(d)
             return decisions, counts
         t = int(ids.shape[0])
-        if self.cache is None and len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1:
-            decisions = self._plan_all_layers(counts, t)
+        one_part = len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1
+        if one_part and (self.cache is None or self.settings.prefetch_experts == 0):
+            access = self._access_all_layers(counts) if self.cache is not None else None
+            decisions = self._plan_all_layers(counts, t, access)
             if self.log is not None:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
-    def _plan_all_layers(self, counts: np.ndarray, t: int) -> StepPlan:
+    def _access_all_layers(self, counts: np.ndarray) -> StepAccess:
+        """The cache access of every layer of a step (one micro-batch, no prefetch: nothing links one
+        layer's cache to the next within a step), as :meth:`_plan_part` makes it layer by layer."""
+        cache = self.cache
+        assert cache is not None
+        s, st = self.settings, self.stats
+        acc = cache.access_step(counts > 0)
+        self.tiers[acc.evicted] = TIER_CODES["host"]
+        self.tiers[acc.admitted] = TIER_CODES["hi"]
+        n_ev, n_adm = int(acc.evicted.sum()), int(acc.admitted.sum())
+        st.cache_hits += int(acc.hits.sum())
+        st.cache_misses += int(acc.misses.sum())
+        st.cache_evictions += n_ev
+        st.bytes_evicted += n_ev * s.bytes_hi
+        st.bytes_to_fast += n_adm * s.bytes_hi
+        return acc
+
+    def _plan_all_layers(self, counts: np.ndarray, t: int, access: StepAccess | None = None) -> StepPlan:
         """:meth:`plan_layer` of every layer at once where nothing changes between layers within a step
-        (no cache, one micro-batch): the same runs as :func:`plan_run_arrays` per layer, elementwise."""
+        (one micro-batch; a cache without prefetch): the same runs as :func:`plan_run_arrays` per
+        layer, elementwise."""
         s = self.settings
         where = plan_where(counts, self.tiers, s.missing, self.cost, s.bytes_host)  # [L, E], -1 = not routed
         n_by = np.bincount(where[where >= 0], minlength=len(WHERE)).tolist()
@@ -277,7 +304,7 @@ class ResidencyController:
                 splits.setdefault(int(li), ())
                 splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
                 st.replica_calls += r
-        return StepPlan(counts, where, t, splits)
+        return StepPlan(counts, where, t, splits, access)
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:

@@ -450,6 +450,24 @@ class CacheAccess(NamedTuple):
     evictions: list[int]
 
 
+class StepAccess(NamedTuple):
+    """Outcome of one :meth:`ExpertCache.access_step`, ``[L, E]`` masks: hits, misses, evicted and
+    admitted experts; ``rank`` orders each layer's victims (eviction order)."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    evicted: np.ndarray
+    admitted: np.ndarray
+    rank: np.ndarray
+
+    def layer(self, li: int) -> tuple[CacheAccess, tuple[int, ...]]:
+        """Layer ``li`` as :meth:`ExpertCache.access` returns it, and its admitted experts."""
+        ev = np.flatnonzero(self.evicted[li])
+        ev = ev[np.argsort(self.rank[li, ev])]
+        return (CacheAccess(np.flatnonzero(self.hits[li]).tolist(), np.flatnonzero(self.misses[li]).tolist(),
+                            ev.tolist()), tuple(np.flatnonzero(self.admitted[li]).tolist()))
+
+
 class TransitionTable:
     """Co-occurrence of routed experts between consecutive MoE layers, for next-layer prefetch.
 
@@ -637,6 +655,43 @@ class ExpertCache:
         self.misses += len(misses)
         self.evictions += len(evicted)
         return CacheAccess(hits, misses, evicted)
+
+    def access_step(self, routed: np.ndarray) -> StepAccess:
+        """:meth:`access` of every layer in turn, layer 0 first, with the experts routed at each
+        (``routed`` ``[L, E]`` bool, ascending ids within a layer), as arrays: the same clocks, hits,
+        admissions and victims (each layer's cache is its own; only the clock is shared, and it
+        advances by the routed experts of each layer in order)."""
+        routed = np.asarray(routed, dtype=bool)
+        if routed.shape != self._last.shape:
+            raise ValueError(f"routed must be [{self.n_layers}, {self.n_experts}], got {list(routed.shape)}")
+        last, clock0 = self._last, self._clock
+        clocks = clock0 + np.cumsum(routed.ravel()).reshape(routed.shape)
+        held = last >= 0
+        hit, miss = routed & held, routed & ~held
+        n_miss = miss.sum(1)
+        room = np.maximum(0, np.asarray(self.capacity_experts) - np.asarray(self._size))
+        need = n_miss - room
+        cand = held & ~routed
+        # Eviction order within a layer: LRU oldest use first; LFU fewest uses, then oldest (clocks never
+        # tie among cached experts, so the key is unique).
+        key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
+        key = np.where(cand, key, np.iinfo(np.int64).max)
+        rank = np.empty_like(key)
+        order = np.argsort(key, axis=1, kind="stable")
+        np.put_along_axis(rank, order, np.arange(self.n_experts)[None, :].repeat(self.n_layers, 0), axis=1)
+        victim = cand & (rank < need[:, None])
+        n_vict = victim.sum(1)
+        admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None])
+        self._freq += routed
+        last[victim] = -1
+        use = hit | admitted
+        last[use] = clocks[use]
+        self._clock = int(clock0 + routed.sum())
+        self._size = (np.asarray(self._size) + admitted.sum(1) - n_vict).tolist()
+        self.hits += int(hit.sum())
+        self.misses += int(n_miss.sum())
+        self.evictions += int(n_vict.sum())
+        return StepAccess(hit, miss, victim, admitted, rank)
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Admit ``experts`` at ``layer`` ahead of use (no hit or miss counted); returns the evicted ids."""
