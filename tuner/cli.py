@@ -283,7 +283,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"  tuner show --study {name}{db_flag}")
     say(f"  tuner confirm --study {name}{db_flag} --repeats 5     (tighter intervals)")
     say(f"  tuner export --study {name}{db_flag} --out best.json")
-    say(f"  engine run --config best.json --model {args.model} --workload {args.workload}")
+    sim = f" --backend sim --profile {args.profile}" if profile is not None else ""
+    say(f"  engine run --config best.json --model {args.model} --workload {args.workload}{sim}")
     say(f"  tuner dashboard{db_flag}     (or: MOETUNE_DB={mask_url(url)} streamlit run dashboard/app.py)")
     if args.json:
         print(json.dumps({**report, "timing": timing, "interrupted": interrupted}))

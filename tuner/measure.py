@@ -192,8 +192,8 @@ class Measurer:
         t = time.perf_counter()
         if fresh and self.backend.kind == "live":
             self.backend = make_backend(self.engine.model_path, config, kind=self.backend.kind)
-        elif fresh or config != self.backend.config:  # the simulator holds no tensors a crash could leave behind  # the same config again (a repeat) keeps its weights and experts
-            self.backend.reconfigure(config)
+        elif fresh or config != self.backend.config:  # a repeat keeps its weights and experts; the simulator
+            self.backend.reconfigure(config)  # holds no tensors a crash could leave behind: no reload
         reconfigure_s = time.perf_counter() - t
         warm_up_s = 0.0
         key = (*weights_key(config), is_plain(config), config.experts.hi_precision, config.experts.lo_precision)
