@@ -41,7 +41,8 @@ def roofline_s(proc: Processor, n_bytes: float, flops: float, precision: str, sh
 
 def _log_lut(table: Table, n: int) -> np.ndarray:
     """``table.at(k)`` for k = 0..n as an array (k = 0 costs nothing); vectorised log-log interpolation
-    with the last segment's slope beyond the last point and a constant below the first."""
+    with the last segment's slope (held within [0, 1]) beyond the last point and a constant below
+    the first (as :meth:`~engine.sim.profile.Table.at`)."""
     out = np.zeros(n + 1)
     if n < 1:
         return out
@@ -53,7 +54,7 @@ def _log_lut(table: Table, n: int) -> np.ndarray:
     vals = np.interp(np.log(k), lx, ly)
     beyond = k > table.x[-1]
     if beyond.any():
-        slope = (ly[-1] - ly[-2]) / (lx[-1] - lx[-2])
+        slope = min(1.0, max(0.0, (ly[-1] - ly[-2]) / (lx[-1] - lx[-2])))
         vals[beyond] = ly[-1] + slope * (np.log(k[beyond]) - lx[-1])
     out[1:] = np.exp(vals)
     return out

@@ -100,9 +100,13 @@ def _axis(where: str, values: Any) -> tuple[float, ...]:
 
 def _interp_log(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     """Linear interpolation of log(y) against log(x); constant below the first point (a fixed cost
-    dominates there), the last segment's slope beyond the last."""
+    dominates there), beyond the last the last segment's slope held within [0, 1] (work grows at
+    most in proportion to the tokens: a noisy last pair of points must not extrapolate as a power)."""
     if len(xs) == 1 or x <= xs[0]:
         return ys[0]
+    if x > xs[-1]:
+        slope = (math.log(ys[-1]) - math.log(ys[-2])) / (math.log(xs[-1]) - math.log(xs[-2]))
+        return math.exp(math.log(ys[-1]) + min(1.0, max(0.0, slope)) * (math.log(x) - math.log(xs[-1])))
     i = len(xs) - 2 if x >= xs[-1] else next(j for j in range(len(xs) - 1) if xs[j] <= x <= xs[j + 1])
     x0, x1 = math.log(xs[i]), math.log(xs[i + 1])
     y0, y1 = math.log(ys[i]), math.log(ys[i + 1])

@@ -296,3 +296,16 @@ def test_cache_planned_all_layers_at_once_decides_as_layer_by_layer(monkeypatch,
     slow = run_workload(b, wl, mode="offline", decisions=True)
     np.testing.assert_allclose([s.duration_ms for s in fast.steps], [s.duration_ms for s in slow.steps], rtol=1e-12)
     assert fast.decisions and fast.decisions == slow.decisions
+
+
+def test_tables_extrapolate_at_most_in_proportion_to_tokens():
+    """A noisy last pair of points (1e-7 s then 1e-3 s: slope 13 in log-log) must not extrapolate as a
+    power: beyond the table the cost grows at most linearly, and never falls."""
+    from engine.sim.cost import _log_lut
+    from engine.sim.profile import Table
+
+    steep = Table((8.0, 16.0, 32.0), (1e-4, 1e-7, 1e-3))
+    assert steep.at(64) == pytest.approx(2e-3) and _log_lut(steep, 64)[64] == pytest.approx(2e-3)
+    falling = Table((1.0, 2.0), (2e-3, 1e-3))
+    assert falling.at(8) == pytest.approx(1e-3) and _log_lut(falling, 8)[8] == pytest.approx(1e-3)
+    assert Table((1.0, 4.0), (1e-3, 2e-3)).at(16) == pytest.approx(4e-3)  # sub-linear kept
