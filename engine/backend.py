@@ -9,7 +9,10 @@ between runs. Two backends implement it:
 - ``live`` (:class:`engine.backend_live.LiveBackend`): the torch engine, on the wall clock;
 - ``stub`` (:class:`engine.backend_stub.StubBackend`): the same scheduler and the same expert plans,
   routed token by token from a router trace, with no tensors, on a virtual clock that jumps to the
-  next arrival. It prices nothing yet (every step takes 0 s); the simulator will.
+  next arrival. It prices nothing (every step takes 0 s);
+- ``sim`` (:class:`engine.backend_sim.SimBackend`): the stub's decisions, each step priced by a
+  hardware profile (:mod:`engine.sim`), on the virtual clock; it routes from synthetic routing with
+  the model's hotness when the workload has no router trace, and needs only a model's config.
 
 No torch here: a backend without tensors imports this module alone.
 """
@@ -30,8 +33,8 @@ from engine.sequences import Sequence, StepOutcome
 if TYPE_CHECKING:
     from workloads.router import RouterTrace
 
-BackendKind = Literal["live", "stub"]
-BACKENDS: tuple[BackendKind, ...] = ("live", "stub")
+BackendKind = Literal["live", "stub", "sim"]
+BACKENDS: tuple[BackendKind, ...] = ("live", "stub", "sim")
 
 
 class Clock(Protocol):
@@ -158,7 +161,10 @@ def make_backend(model: str | Path, config: EngineConfig | None = None, kind: Ba
     :class:`~engine.moe.policy.CostModel` to use instead of this machine's). ``kind="stub"`` reads
     only the checkpoint's config and router fingerprint (options: ``trace`` to route from instead of
     the workload's, ``weight_precision`` of the experts as loaded, ``cost_model`` for
-    ``missing_expert=auto``).
+    ``missing_expert=auto``). ``kind="sim"`` needs ``profile`` (a :class:`~engine.sim.profile.Profile`,
+    a profile file or ``builtin:<name>``); ``model`` may also be ``shape:<name>`` or a directory holding
+    only a ``config.json`` (options: ``trace``, ``cost_model``, ``routing``: synthetic routing when the
+    workload has no trace).
     """
     if kind == "live":
         from engine.backend_live import LiveBackend
@@ -169,6 +175,12 @@ def make_backend(model: str | Path, config: EngineConfig | None = None, kind: Ba
         from engine.backend_stub import StubBackend
 
         return StubBackend.from_checkpoint(model, config, **options)
+    if kind == "sim":
+        from engine.backend_sim import SimBackend
+
+        if options.get("profile") is None:
+            raise ValueError("the sim backend needs a profile (--profile FILE or builtin:<name>)")
+        return SimBackend.from_model(model, config, **options)
     raise ValueError(f"backend kind {kind!r} is not one of {', '.join(BACKENDS)}")
 
 

@@ -16,6 +16,7 @@ No torch: :meth:`StubBackend.from_checkpoint` reads a checkpoint's config and ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,11 @@ from engine.model.arch import ModelSpec
 from engine.moe.planning import plan_settings, tier_precisions
 from engine.moe.policy.controller import ResidencyController
 from engine.moe.policy.execution import CostModel
-from engine.moe.policy.plan import DecisionLog, MoEStats
+from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves
 from engine.moe.policy.routing import prune_routes
 from engine.precision import FLOAT_PRECISIONS, PRECISIONS
 from engine.results import ExpertStat
-from engine.sequences import Sequence, SequenceTable, StepOutcome
+from engine.sequences import Sequence, SequenceTable, StepLayout, StepOutcome
 
 if TYPE_CHECKING:
     from workloads.router import RouterTrace
@@ -48,12 +49,14 @@ class StubBackend:
     ``missing_expert="auto"`` decides by."""
 
     kind = "stub"
+    allow_synthetic = False
+    """Whether a synthetic router trace (``workloads synth``) may route a real model's tokens."""
 
     def __init__(self, spec: ModelSpec, config: EngineConfig | None, *, identity: dict[str, Any],
                  weight_precision: str, trace: RouterTrace | None = None, cost_model: CostModel | None = None,
                  describe_model: dict[str, Any] | None = None) -> None:
         if weight_precision not in PRECISIONS:
-            raise ConfigError(f"stub backend: weight_precision={weight_precision!r}: must be one of "
+            raise ConfigError(f"{self.kind} backend: weight_precision={weight_precision!r}: must be one of "
                               f"{', '.join(PRECISIONS)}")
         self._spec = spec
         self._identity = dict(identity)
@@ -106,14 +109,15 @@ class StubBackend:
     def clock(self) -> VirtualClock:
         return VirtualClock()
 
-    def _apply(self, config: EngineConfig) -> None:
+    def _apply(self, config: EngineConfig, device_mem_bytes: int | None = None) -> None:
+        who = f"{self.kind} backend"
         config.validate()
-        config.validate_for(self._spec, None, source="stub backend")
+        config.validate_for(self._spec, device_mem_bytes, source=who)
         if not config.sampling.ignore_eos:
-            raise ConfigError("stub backend: sampling.ignore_eos=false needs the model's tokens; the stub computes "
-                              "none (output lengths come from the workload)")
+            raise ConfigError(f"{who}: sampling.ignore_eos=false needs the model's tokens; the {self.kind} backend "
+                              "computes none (output lengths come from the workload)")
         if config.routing.top_k_override > self._spec.top_k:
-            raise ConfigError(f"stub backend: routing.top_k_override={config.routing.top_k_override} routes to more "
+            raise ConfigError(f"{who}: routing.top_k_override={config.routing.top_k_override} routes to more "
                               f"experts than a router trace holds (the model's top_k={self._spec.top_k})")
         self._config = config
         self.settings = plan_settings(config, self._spec, self.weight_precision)
@@ -122,7 +126,7 @@ class StubBackend:
         self.stats = MoEStats()
         self.controller = ResidencyController(self.settings)
         self.hotness: np.ndarray | None = None
-        self._trace: RouterTrace | None = None
+        self._trace: Any = None
         self._cursor: dict[str, int] = {}
         self._log: DecisionLog | None = None
         self._routes: dict[str, list[tuple[np.ndarray, np.ndarray]]] | None = None
@@ -131,24 +135,37 @@ class StubBackend:
         self._apply(config)
         return 0.0
 
-    def start(self, run: RunStart) -> None:
+    def _routing(self, run: RunStart) -> Any:
+        """Where the run's tokens take their experts from: the given trace, else the workload's."""
         trace = self._given_trace if self._given_trace is not None else run.trace
         if trace is None:
-            raise ConfigError(f"stub backend: {run.source} has no router trace to route its tokens from "
+            raise ConfigError(f"{self.kind} backend: {run.source} has no router trace to route its tokens from "
                               "(record one with `workloads record`)")
-        trace.check_model(self._identity, "the stub's router trace" if trace is self._given_trace else run.source)
+        trace.check_model(self._identity, f"the {self.kind} backend's router trace" if trace is self._given_trace
+                          else run.source, allow_synthetic=self.allow_synthetic)
+        return trace
+
+    def _decision_costs(self) -> CostModel | None:
+        """The costs ``missing_expert="auto"`` decides by (None where nothing is missing)."""
+        r, x = self._config.experts, self._config.execution
+        if x.missing_expert != "auto" or r.residency == "all":
+            return None
+        if self.cost_model is None:
+            raise ConfigError(f"{self.kind} backend: execution.missing_expert='auto' needs calibrated costs (the "
+                              "stub's cost_model); without them use missing_expert host or fetch")
+        return self.cost_model
+
+    def start(self, run: RunStart) -> None:
+        trace = self._routing(run)
         if run.trace is not None and run.trace is not trace:
-            run.trace.check_model(self._identity, run.source)
+            run.trace.check_model(self._identity, run.source, allow_synthetic=self.allow_synthetic)
         self._trace = trace
         self._cursor = {}
         r = self._config.experts
         # Hotness as the live engine takes it: from the workload's trace (else from the routing trace).
         profile = run.trace if run.trace is not None else trace
         self.hotness = profile.hotness() if r.residency in HOTNESS_RESIDENCIES else None
-        cost = self.cost_model if self._config.execution.missing_expert == "auto" and r.residency != "all" else None
-        if cost is None and self._config.execution.missing_expert == "auto" and r.residency != "all":
-            raise ConfigError("stub backend: execution.missing_expert='auto' needs calibrated costs (the stub's "
-                              "cost_model); without them use missing_expert host or fetch")
+        cost = self._decision_costs()
         self._log = DecisionLog() if run.decisions else None
         self.controller = ResidencyController(self.settings, self.hotness, cost, self._log)
         self.stats.reset()
@@ -171,36 +188,56 @@ class StubBackend:
         ids, gates = self._rows(layout.owners)  # [T, L, K]
         spec, rt = self._spec, self._config.routing
         cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
-        for li, layer in enumerate(spec.moe_layers):
-            layer_ids = ids[:, li, :]
-            if cut is not None or rt.min_gate_weight > 0:
-                _, layer_ids, _ = prune_routes(gates[:, li, :].astype(np.float32), layer_ids, cut,
-                                               rt.min_gate_weight)
-            decision = self.controller.plan_layer(li, layer_ids)
-            self.stats.add(layer, decision.counts)
+        if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
+            t, n_layers, k = ids.shape
+            _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32), ids.reshape(t * n_layers, k),
+                                        cut, rt.min_gate_weight)
+            ids = pruned.reshape(t, n_layers, k)
+        decisions, counts = self.controller.plan_step(ids)
+        self.stats.add_step(spec.moe_layers, counts)
         ctl = self.controller
-        ctl.end_step(self.stats.step_counts(spec.moe_layers) if ctl.wants_step_counts else None, layout.n_tokens)
+        moves = ctl.end_step(counts if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
-        return StepOutcome(0.0, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced, finished)
+        duration_s = self._price(layout, decisions, moves, counts)
+        for seq in finished:
+            self._finished(seq.key)
+        return StepOutcome(duration_s, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced,
+                           finished)
 
-    def _rows(self, owners: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The trace rows of the step's tokens, in step order: each request's next ``n`` tokens."""
+    def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
+               counts: np.ndarray) -> float:
+        """Seconds the step takes (``counts``: routed tokens per expert ``[L, E]``): the stub prices
+        nothing (the simulator does)."""
+        return 0.0
+
+    def _finished(self, key: str) -> None:
+        """A request finished: what the backend kept for it may go."""
+
+    def _take(self, key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next ``n`` routed tokens of request ``key``: (ids, gates) ``[n, L, K]``."""
         trace = self._trace
         assert trace is not None
+        if key not in trace:
+            raise ConfigError(f"{self.kind} backend: the router trace has no tokens for request {key!r}")
+        ids, gates = trace.request(key)
+        at = self._cursor.get(key, 0)
+        if at + n > ids.shape[0]:
+            raise ConfigError(f"{self.kind} backend: the router trace holds {ids.shape[0]} tokens of request "
+                              f"{key!r}; the run needs at least {at + n} (record the trace with the same requests)")
+        self._cursor[key] = at + n
+        return ids[at: at + n], gates[at: at + n]
+
+    def _rows(self, owners: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The routed rows of the step's tokens, in step order: each request's next ``n`` tokens."""
         id_parts, gate_parts = [], []
         for key, _start, n in owners:
-            if key not in trace:
-                raise ConfigError(f"stub backend: the router trace has no tokens for request {key!r}")
-            ids, gates = trace.request(key)
-            at = self._cursor.get(key, 0)
-            if at + n > ids.shape[0]:
-                raise ConfigError(f"stub backend: the router trace holds {ids.shape[0]} tokens of request {key!r}; "
-                                  f"the run needs at least {at + n} (record the trace with the same requests)")
-            self._cursor[key] = at + n
-            id_parts.append(ids[at: at + n])
-            gate_parts.append(gates[at: at + n])
+            ids, gates = self._take(key, n)
+            id_parts.append(ids)
+            gate_parts.append(gates)
             if self._routes is not None:
-                self._routes.setdefault(key, []).append((ids[at: at + n], gates[at: at + n]))
+                self._routes.setdefault(key, []).append((ids, gates))
+        if len(id_parts) == 1:
+            return id_parts[0], gate_parts[0]
         return np.concatenate(id_parts), np.concatenate(gate_parts)
 
     def describe(self) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _engine_config(args)
     if getattr(args, "config", None):
         _warn_if_tuned_elsewhere(args.config, args.model)
-    backend = make_backend(args.model, cfg, kind=args.backend)
+    backend = make_backend(args.model, cfg, kind=args.backend, **backend_options(args))
     total = min(len(workload.requests), args.max_requests or len(workload.requests))
     with tqdm(total=total, desc="requests", unit="req", disable=args.quiet or not sys.stderr.isatty()) as bar:
         def on_step(done: int, _total: int) -> None:
@@ -143,8 +143,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                               max_requests=args.max_requests, on_step=on_step, decisions=bool(args.decisions))
     s = result.summary()
     meta = result.meta
-    ran = f"{meta['compute_dtype']} on {meta['device']}" if meta["backend"] == "live" else \
-        f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
+    if meta["backend"] == "live":
+        ran = f"{meta['compute_dtype']} on {meta['device']}"
+    elif meta["backend"] == "sim":
+        prof = meta["profile"]
+        ran = (f"simulated on profile {prof['name']} ({'calibrated' if prof['calibrated'] else 'calibrated: false'}), "
+               f"{meta['compute_dtype']} on {meta['device']}, virtual clock")
+    else:
+        ran = f"{meta['backend']} backend: plans only, no tensors, steps unpriced"
     print(f"model {meta['model']['path']} ({meta['model']['arch']}, {ran}); workload {workload.name} ({args.mode}); "
           f"{s['requests_done']}/{s['requests']} requests in {s['duration_s']:.1f}s")
     rows = [{"metric": f"{m}_ms", **{f"p{q}": s.get(latency_name(m, q)) for q in PERCENTILES},
@@ -184,6 +190,178 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``make_backend`` takes besides the model and config, from ``--profile`` and the synthetic
+    routing flags (the sim backend's; refused with another backend)."""
+    kind = getattr(args, "backend", "live")
+    profile = getattr(args, "profile", None)
+    routing_given = any(getattr(args, f, None) is not None for f in ("router_skew", "router_drift"))
+    if kind != "sim":
+        if profile is not None or routing_given:
+            raise ConfigError(f"--profile/--router-skew/--router-drift price or route a simulated run; "
+                              f"they need --backend sim (got --backend {kind})")
+        return {}
+    if profile is None:
+        raise ConfigError("--backend sim needs --profile FILE (from `engine calibrate`) or builtin:<name>")
+    from engine.sim.profile import load_profile
+    from engine.sim.routes import SyntheticRouting
+
+    defaults = SyntheticRouting()
+    routing = SyntheticRouting(skew=defaults.skew if args.router_skew is None else args.router_skew,
+                               drift=defaults.drift if args.router_drift is None else args.router_drift)
+    return {"profile": load_profile(profile), "routing": routing}
+
+
+def sim_args(sp: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--profile`` and the synthetic routing flags of a command that runs a workload."""
+    from engine.sim.profile import BUILTIN
+    from engine.sim.routes import SyntheticRouting
+
+    d = SyntheticRouting()
+    sp.add_argument("--backend", choices=BACKENDS, default="live",
+                    help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
+                         "router trace, with no tensors (steps take 0 s); sim: the stub's plans priced by --profile "
+                         "on a virtual clock (--model may be shape:<name> or a directory holding only config.json)")
+    sp.add_argument("--profile", help="sim: a profile file from `engine calibrate`, or builtin:<name> "
+                    f"(datasheet, uncalibrated: {', '.join(BUILTIN)}; <gpu>+<host> pairs them)")
+    sp.add_argument("--router-skew", type=float, default=None,
+                    help=f"sim without a router trace: Zipf exponent of synthetic expert popularity "
+                         f"(default {d.skew:g})")
+    sp.add_argument("--router-drift", type=float, default=None,
+                    help=f"sim without a router trace: share of each layer's experts whose popularity moves per "
+                         f"{d.drift_window_tokens} tokens (default {d.drift:g})")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.sim.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    steps = [0]
+
+    def progress(msg: str) -> None:
+        steps[0] += 1
+        print(f"calibrate [{steps[0]:2d}] {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    prof = calibrate(progress, model=args.model, name=args.name)
+    prof.save(args.out)
+    h = prof.host
+    rows = [{"what": k, "value": v} for k, v in (
+        ("host", h.name), ("memory bandwidth GB/s", f"{h.mem_bw_bytes_per_s / 1e9:.1f}"),
+        ("fp32 GEMM GFLOP/s", f"{h.peak_flops['fp32'] / 1e9:.1f}"),
+        ("threads", h.threads), ("auto compute dtype", prof.measured.get("auto_compute_dtype")),
+        ("layer overhead us", f"{h.layer_overhead_s * 1e6:.1f}"), ("token overhead us", f"{h.token_overhead_s * 1e6:.1f}"),
+        ("hybrid MoE layer overhead us", f"{h.moe_layer_overhead_s * 1e6:.1f}"),
+        ("device", prof.device.name if prof.device else "none (host-only profile)"),
+        ("tables", len(h.tables)), ("seconds", prof.measured.get("seconds")))]
+    print(_table(rows, ["what", "value"]))
+    print(f"wrote {args.out} (calibrated: true)")
+    if args.json:
+        print(json.dumps({"out": args.out, "profile": prof.describe(), "measured": prof.measured}))
+    return 0
+
+
+def cmd_validate_sim(args: argparse.Namespace) -> int:
+    import os
+    import time
+
+    from engine.sim.profile import load_profile
+    from engine.sim.validate import METRICS, validate
+    from workloads.schema import load_workload
+
+    prof = load_profile(args.profile)
+    workload = load_workload(args.workload)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"validate-sim {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    load_before = os.getloadavg()
+    res = validate(args.model, workload, prof, args.configs, seed=args.seed, mode=args.mode,
+                   max_requests=args.max_requests or None, progress=progress, grid=args.grid)
+    res["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+    print(f"model {args.model}; workload {workload.name} ({args.mode}, {args.max_requests or 'all'} requests); "
+          f"profile {prof.name} (calibrated: {str(prof.calibrated).lower()}); {res['configs']} configs; "
+          f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}")
+    short = {"output_tokens_per_s": "tok/s", "tpot_p99_ms": "p99 TPOT ms", "ttft_p99_ms": "p99 TTFT ms",
+             "tpot_p50_ms": "p50 TPOT ms"}
+    rows = []
+    for i, r in enumerate(res["rows"]):
+        row: dict[str, Any] = {"#": i + 1}
+        for m in METRICS[:3]:
+            row[f"{short[m]} live"] = r["live"][m]
+            row[f"{short[m]} sim"] = r["sim"][m]
+            row[f"{short[m]} err"] = None if r["error"][m] is None else f"{100 * r['error'][m]:+.0f}%"
+        rows.append(row)
+    cols = ["#"] + [f"{short[m]} {w}" for m in METRICS[:3] for w in ("live", "sim", "err")]
+    print(_table(rows, cols, {c: ".1f" for c in cols if c.endswith(("live", "sim"))}))
+    summ = [{"metric": short[m], "median |error|": None if v["median_abs_error"] is None
+             else f"{100 * v['median_abs_error']:.1f}%",
+             "target": None if v["target"] is None else f"<= {100 * v['target']:.0f}%",
+             "met": v["met"]} for m, v in ((m, res["summary"][m]) for m in METRICS)]
+    sp = res["summary"]["spearman_output_tokens_per_s"]
+    summ.append({"metric": "Spearman rho (tok/s ranks)", "median |error|": None if sp["rho"] is None
+                 else f"{sp['rho']:.2f}", "target": f">= {sp['target']}", "met": sp["met"]})
+    print(_table(summ, ["metric", "median |error|", "target", "met"]))
+    for i, r in enumerate(res["rows"]):
+        print(f"  #{i + 1}: {r['config'] or 'defaults'}")
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.sim.plan import plan
+    from engine.sim.profile import load_profile
+    from workloads.schema import load_workload
+
+    profiles = [load_profile(p) for p in args.profile]
+    workload = load_workload(args.workload)
+    base = _engine_config(args)
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"plan {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
+
+    rows = plan(args.model, profiles, workload, base, max_requests=args.max_requests or None, progress=progress)
+    n = min(len(workload.requests), args.max_requests or len(workload.requests))
+    print(f"model {args.model}; workload {workload.name} ({n} requests); default SLO (p99 TTFT 1000 ms, p99 TPOT "
+          f"100 ms, attainment 90 %); simulated, {time.perf_counter() - t0:.1f} s")
+    for prof in profiles:
+        mine = [r for r in rows if r["profile"] == prof.name]
+        print(f"\n{prof.name}: {prof.fast.name} + {prof.host.name} (calibrated: {str(prof.calibrated).lower()})")
+        print(_table(mine, ["budget_gib", "hi", "missing", "batching", "replicas", "offline_tokens_per_s",
+                            "ttft_p99_ms", "tpot_p99_ms", "capacity_rps", "error"],
+                     {"offline_tokens_per_s": ".1f", "ttft_p99_ms": ".0f", "tpot_p99_ms": ".1f",
+                      "capacity_rps": ".2f", "budget_gib": ".1f"}))
+    if args.json:
+        print(json.dumps({"model": args.model, "workload": workload.name, "rows": rows,
+                          "profiles": [p.describe() for p in profiles]}))
+    return 0
+
+
+def _bench_sim(args: argparse.Namespace, batches: list[int]) -> int:
+    from engine.backend import make_backend
+    from engine.sim.bench import sim_bench
+
+    if args.backend != "sim":
+        raise ConfigError(f"engine bench --backend {args.backend}: bench runs live or sim (the stub prices nothing)")
+    backend = make_backend(args.model, _engine_config(args), kind="sim", **backend_options(args))
+    res = sim_bench(backend, batches, args.prompt_len, args.new_tokens)
+    prof = res["profile"]
+    print(f"model {res['model']}: simulated on profile {prof['name']} (calibrated: {str(prof['calibrated']).lower()}), "
+          f"{res['compute_dtype']} on {res['device']}; prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print(_table(res["rows"], ["batch", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_step_ms"],
+                 {"prefill_tokens_per_s": ".1f", "decode_tokens_per_s": ".1f", "decode_step_ms": ".2f"}))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_bench
 
@@ -191,6 +369,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError:
         raise ConfigError(f"--batch={args.batch!r}: expected comma-separated integers") from None
+    if args.backend != "live":
+        return _bench_sim(args, batches)
+    backend_options(args)  # refuses --profile and the routing flags without --backend sim
     engine = _load_engine(args)
     res = run_bench(engine, batches, args.prompt_len, args.new_tokens, repeats=args.repeats)
     print(f"model {res['model']} ({res['arch']}): weights {res['weight_bytes'] / 2**30:.2f} GiB in "
@@ -363,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_make_model)
 
     def model_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
+        sp.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset> (sim: also shape:<name>, or a directory holding only config.json)")
         sp.add_argument("--config", help="engine config JSON (or a `tuner export` file)")
         sp.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
         sp.add_argument("--ep", dest="knob__ep_size", metavar="N",
@@ -387,9 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decisions", metavar="OUT.jsonl",
                    help="write the expert plan of every step and MoE layer here, one JSON object a line "
                         "(also the result's 'decisions' field)")
-    r.add_argument("--backend", choices=BACKENDS, default="live",
-                   help="live: the torch engine; stub: the same scheduler and plans routed from the workload's "
-                        "router trace, with no tensors (prices nothing: steps take 0 s)")
+    sim_args(r)
     r.add_argument("--quiet", action="store_true")
     model_args(r)
     r.set_defaults(fn=cmd_run)
@@ -399,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
+    sim_args(b)
     model_args(b)
     b.set_defaults(fn=cmd_bench)
 
@@ -466,6 +646,38 @@ def build_parser() -> argparse.ArgumentParser:
                     help="niceness of the replay client's thread (a remote client would take none of this CPU)")
     model_args(bs)
     bs.set_defaults(fn=cmd_bench_serve)
+
+    cal = sub.add_parser("calibrate", help="measure this machine into a simulator profile (a few minutes)")
+    cal.add_argument("--out", required=True, help="the profile JSON to write")
+    cal.add_argument("--model", default="builtin:qwen3_moe-small",
+                     help="the model whose live runs fit the engine's fixed costs")
+    cal.add_argument("--name", help="the profile's name (default: calibrated-<hardware fingerprint>)")
+    cal.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    cal.set_defaults(fn=cmd_calibrate)
+
+    vs = sub.add_parser("validate-sim", help="run N configs from the tuner's space live and simulated: error per "
+                        "metric and rank correlation")
+    vs.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
+    vs.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    vs.add_argument("--profile", required=True, help="profile file (`engine calibrate`) or builtin:<name>")
+    vs.add_argument("--configs", type=int, default=8, help="configs to draw from the tuner's search space")
+    vs.add_argument("--seed", type=int, default=0, help="seed of the random draws")
+    vs.add_argument("--grid", choices=["random", "hybrid"], default="random",
+                    help="random: configs drawn from the tuner's space; hybrid: the hybrid knobs one at a time "
+                         "(budget 25/50/100 %% x host/fetch/auto, int8/int4, replicas, SM share; --configs caps it)")
+    vs.add_argument("--mode", choices=["realtime", "offline"], default="offline")
+    vs.add_argument("--max-requests", type=int, default=24, help="replay the first N requests (0 = all)")
+    vs.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    vs.set_defaults(fn=cmd_validate_sim)
+
+    pl = sub.add_parser("plan", help="price the hybrid knobs of a model on machines that are not here (simulated)")
+    pl.add_argument("--profile", action="append", required=True,
+                    help="a profile (repeat): a file from `engine calibrate` or builtin:<name>")
+    pl.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    pl.add_argument("--max-requests", type=int, default=0, help="replay the first N requests (0 = all)")
+    pl.add_argument("--quiet", action="store_true")
+    model_args(pl)
+    pl.set_defaults(fn=cmd_plan)
 
     k = sub.add_parser("knobs", help="every knob: default, range, search range, meaning")
     k.add_argument("--json", action="store_true")

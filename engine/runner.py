@@ -125,7 +125,8 @@ def run_workload(backend: Backend | Any, workload: Workload, mode: Mode = "realt
         telemetry = sampler.stop() if sampler is not None else []
         tail = backend.finish()
     duration_s = clock.now()
-    meta = {**backend.describe(), **run_meta(backend, workload, mode, rate_scale)}
+    described = backend.describe()
+    meta = {**described, **run_meta(backend, workload, mode, rate_scale, described)}
     meta.update(tiers=tail.tiers.as_dict() if tail.tiers is not None else None,
                 fast_tier_expert_bytes=tail.fast_tier_expert_bytes, **tail.extra_meta)
     if record_routes:
@@ -156,16 +157,20 @@ def popularity(result: RunResult) -> list[dict[str, Any]]:
     return rows
 
 
-def run_meta(backend: Backend, workload: Workload, mode: str, rate_scale: float) -> dict[str, Any]:
-    """What a run ran besides the backend's own description: workload, mode, config, machine, time."""
+def run_meta(backend: Backend, workload: Workload, mode: str, rate_scale: float,
+             described: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a run ran besides the backend's own description: workload, mode, config, machine, time.
+    A backend that describes the machine and software itself (the simulator: its profile's machine)
+    gives them in ``described``."""
+    described = described or {}
     return {
         "workload": {"name": workload.name, "requests": len(workload.requests)},
         "mode": mode,
         "rate_scale": rate_scale,
         "config": backend.config.to_dict(),
         "config_hash": backend.config.config_hash(),
-        "hardware": hardware(),
-        "software": software(),
+        "hardware": described.get("hardware") or hardware(),
+        "software": described.get("software") or software(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

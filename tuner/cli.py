@@ -146,7 +146,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         open_study,
     )
 
-    hw = hardware()
+    if args.backend not in ("live", "sim"):
+        raise ConfigError(f"tuner run --backend {args.backend}: trials run live or sim (the stub prices nothing)")
+    from engine.cli import backend_options
+
+    options = backend_options(args)  # sim: the profile (and synthetic routing) that price every trial
+    profile = options.get("profile")
+    hw = hardware() if profile is None else profile.hardware()
     sw = {**software(), "optuna": optuna.__version__}
     space = build_space(hw, fixed=fixed, base=base)
     if not space.params:
@@ -161,16 +167,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
     say(f"tuner: study {name} in {mask_url(url)}")
     t = time.perf_counter()
-    backend = make_backend(args.model, start_config, kind="live")
-    engine = backend.engine
+    backend = make_backend(args.model, start_config, kind=args.backend, **options)
+    engine = getattr(backend, "engine", None)  # the live backend's torch engine; the simulator has none
     load_s = time.perf_counter() - t
-    say(f"tuner: loaded {args.model} ({engine.spec.arch}, {engine.spec.total_params() / 1e6:.1f}M params, "
-        f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}, {engine.kernels_label} kernels) in "
-        f"{load_s:.2f} s (weights {engine.load_s:.2f} s), once for the whole study")
+    spec = backend.spec
+    if engine is not None:
+        say(f"tuner: loaded {args.model} ({spec.arch}, {spec.total_params() / 1e6:.1f}M params, "
+            f"{str(engine.dtype).removeprefix('torch.')} on {engine.device}, {engine.kernels_label} kernels) in "
+            f"{load_s:.2f} s (weights {engine.load_s:.2f} s), once for the whole study")
+    else:
+        say(f"tuner: simulating {args.model} ({spec.arch}, {spec.total_params() / 1e6:.1f}M params, no weights) "
+            f"priced by profile {profile.name} (calibrated: {str(profile.calibrated).lower()}) in {load_s:.2f} s")
+        if not args.no_quality:
+            say("tuner: --backend sim: no quality check (the simulator has no weights); every trial records "
+                "quality_check off")
+            args.no_quality = True
 
     identity = model_identity(backend, args.model)
     settings = {
-        "model_fingerprint": engine.fingerprint,
+        "model_fingerprint": identity["fingerprint"],
         "workload_fingerprint": workload_fingerprint(workload),
         **measure_settings.to_dict(),
         "slo": slo.to_dict(),
@@ -180,8 +195,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     stored_settings = {**settings, "model": args.model, "workload": args.workload, "noise_repeats": args.noise_repeats,
                        "prune": not args.no_prune}
+    if profile is not None:  # what priced the study's trials (the backend column says sim)
+        stored_settings.update(profile=profile.describe(), calibrated=profile.calibrated)
     if getattr(args, "join", None):  # tuner worker: this machine's model, hardware and space must be the study's
-        check_join(args.join, name=name, model_fingerprint=engine.fingerprint, hardware=hw)
+        check_join(args.join, name=name, model_fingerprint=identity["fingerprint"], hardware=hw)
     lock = StudyLock(url, name)  # workers on one study: created once, baselines once, the --trials budget shared
     lock.acquire()
     try:
@@ -195,11 +212,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         study = open_study(storage, name, objectives, constraints, settings, seed=args.seed,
                            pruner=make_pruner(len(rungs)))
         skipped: list[tuple[str, str]] = []
-        points = baseline_points(space, BaselineContext(engine.spec, hw, start_config), skipped=skipped)
+        points = baseline_points(space, BaselineContext(spec, hw, start_config), skipped=skipped)
         enqueued = enqueue_baselines(study, points, args.trials)
         from db.store import stable_hash
 
-        record_launch(study, args, base.to_dict(), {"name": name, "model_fingerprint": engine.fingerprint,
+        record_launch(study, args, base.to_dict(), {"name": name, "model_fingerprint": identity["fingerprint"],
                                                     "hardware_hash": stable_hash(hw), "hardware": hw})
     finally:
         lock.release()
@@ -268,7 +285,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         say(f"tuner: interrupted; finished trials are saved. Re-run the same command to resume study {name}.")
     report = _report(db, name, url)
     reconf = objective.reconfigure_s
-    timing = {"engine_load_s": load_s, "weights_load_s": engine.load_s, "warm_up_s": warm_s, "run_s": run_s,
+    timing = {"engine_load_s": load_s, "weights_load_s": engine.load_s if engine is not None else 0.0,
+              "warm_up_s": warm_s, "run_s": run_s,
               "noise_s": noise.ran_s, "confirm_s": confirm_s, "trials_run": ran if ran >= 0 else None,
               "reconfigure_median_s": statistics.median(reconf) if reconf else None,
               "reconfigure_max_s": max(reconf) if reconf else None}
@@ -282,7 +300,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     say(f"  tuner show --study {name}{db_flag}")
     say(f"  tuner confirm --study {name}{db_flag} --repeats 5     (tighter intervals)")
     say(f"  tuner export --study {name}{db_flag} --out best.json")
-    say(f"  engine run --config best.json --model {args.model} --workload {args.workload}")
+    sim = f" --backend sim --profile {args.profile}" if profile is not None else ""
+    say(f"  engine run --config best.json --model {args.model} --workload {args.workload}{sim}")
     say(f"  tuner dashboard{db_flag}     (or: MOETUNE_DB={mask_url(url)} streamlit run dashboard/app.py)")
     if args.json:
         print(json.dumps({**report, "timing": timing, "interrupted": interrupted}))
@@ -427,6 +446,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.cli import sim_args
     from tuner.slo import DEFAULT_ATTAINMENT, DEFAULT_SLO
 
     p = argparse.ArgumentParser(prog="tuner", description=(__doc__ or "").splitlines()[0],
@@ -440,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run (or resume) a study, then confirm its gains")
     r.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint directory or builtin:<arch>-<preset>")
     r.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
+    sim_args(r)  # --backend live|sim, --profile, the synthetic routing of a simulated study
     r.add_argument("--slo", action="append", metavar="NAME=VALUE|FILE",
                    help="an SLO bound (repeat), e.g. ttft_p99_ms=2000, tpot_p99_ms=200, quality_min=0.95, "
                         "attainment_min=0.9; or a JSON file of them (default "

@@ -190,10 +190,10 @@ class Measurer:
         """Reconfigure the engine for ``config`` (a fresh engine when ``fresh``: after a crash) and warm
         it up when its weights or expert path changed; returns ``reconfigure_s`` and ``warm_up_s``."""
         t = time.perf_counter()
-        if fresh:
+        if fresh and self.backend.kind == "live":
             self.backend = make_backend(self.engine.model_path, config, kind=self.backend.kind)
-        elif config != self.backend.config:  # the same config again (a repeat) keeps its weights and experts
-            self.backend.reconfigure(config)
+        elif fresh or config != self.backend.config:  # a repeat keeps its weights and experts; the simulator
+            self.backend.reconfigure(config)  # holds no tensors a crash could leave behind: no reload
         reconfigure_s = time.perf_counter() - t
         warm_up_s = 0.0
         key = (*weights_key(config), is_plain(config), config.experts.hi_precision, config.experts.lo_precision)

@@ -234,7 +234,7 @@ class Objective:
         result_dict["meta"]["tuner"] = {
             "trial": trial.number, "baseline": baseline, "params": dict(trial.params),
             "reconfigure_s": timing["reconfigure_s"], "engine_load_s": self.load_s,
-            "weights_load_s": self.engine.load_s,
+            "weights_load_s": self.engine.load_s if self.measurer.backend.kind == "live" else 0.0,
         }
         self.recorder.finish(trial_id, result_dict, met=best.slo.met)
         set_constraints(trial, checked.constraints)
@@ -292,6 +292,8 @@ class Objective:
         return None
 
     def _memory_problem(self, config: EngineConfig) -> str | None:
+        if self.measurer.backend.kind != "live":  # the simulator prices memory itself: a config that does not
+            return None  # fit its profile is refused at reconfigure (ConfigError: infeasible)
         e = self.engine
         rt = config.runtime
         same_weights = weights_key(config) == weights_key(e.config)

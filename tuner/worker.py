@@ -48,7 +48,7 @@ ATTR_LAUNCH = "moetune_launch"
 
 LAUNCH_ARGS = ("model", "workload", "slo", "attainment", "objective", "objectives", "mode", "rate_scale",
                "max_requests", "fidelity", "noise_repeats", "fix", "no_prune", "no_quality", "memory_gib", "trials",
-               "timeout")
+               "timeout", "backend", "profile", "router_skew", "router_drift")
 """The ``tuner run`` arguments a study records for its workers (``--config`` travels as the config itself)."""
 
 ATTR_WORKER = "worker"
@@ -272,6 +272,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          "`tuner run` and the same arguments")
     run_args = argparse.Namespace(**{k: launch.get(k) for k in LAUNCH_ARGS})
     run_args.trials = args.trials or launch["trials"]
+    run_args.backend = run_args.backend or "live"  # a study launched before the simulator existed
     # Workers started together draw different points: a seed of their own unless one is given.
     seed = args.seed if args.seed is not None else os.getpid()
     run_args.study, run_args.db, run_args.seed = launch["study"], args.db, seed

@@ -1,7 +1,8 @@
-"""One set of decisions, two backends: the live engine and the stub make the same plans.
+"""One set of decisions, three backends: the live engine, the stub and the simulator make the same plans.
 
-A live run of the tiny model records its router trace; the stub backend runs the same workload
-with no tensors, taking each token's experts from that trace. Both must write identical decision
+A live run of the tiny model records its router trace; the stub backend and the simulator (priced
+by a host-only datasheet profile, on a virtual clock) run the same workload with no tensors, taking
+each token's experts from that trace. Both must write identical decision
 logs (every step, MoE layer and micro-batch: which experts ran resident and in which precision, on
 the host or fetched, how replicas split tokens, what the cache did, what moved between tiers), the
 same tier statistics, expert table and step shapes, for every residency policy, host/fetch/auto,
@@ -102,19 +103,32 @@ def _shape(result) -> dict:
             "tiers": result.meta["tiers"], "fast_bytes": result.meta["fast_tier_expert_bytes"]}
 
 
+def _untimed(entry: dict) -> dict:
+    """A decision without timing fields (none are logged today; a priced backend may add some)."""
+    return {k: v for k, v in entry.items() if not k.endswith(("_s", "_ms"))}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_live_and_stub_make_the_same_decisions(model_dir, workload, case):
+def test_live_stub_and_sim_make_the_same_decisions(model_dir, workload, case):
     cfg = _config(CASES[case])
     live = make_backend(model_dir, cfg, cost_model=COSTS)
     got_live = run_workload(live, workload, mode="offline", record_routes=True, decisions=True)
-    stub = make_backend(model_dir, cfg, kind="stub", trace=_live_trace(got_live, live), cost_model=COSTS)
+    trace = _live_trace(got_live, live)
+    stub = make_backend(model_dir, cfg, kind="stub", trace=trace, cost_model=COSTS)
     got_stub = run_workload(stub, workload, mode="offline", decisions=True)
+    sim = make_backend(model_dir, cfg, kind="sim", profile="builtin:spr", trace=trace, cost_model=COSTS)
+    got_sim = run_workload(sim, workload, mode="offline", decisions=True)
     assert got_stub.meta["backend"] == "stub" and got_live.meta["backend"] == "live"
+    assert got_sim.meta["backend"] == "sim" and got_sim.meta["calibrated"] is False
     assert got_live.decisions, "the live run kept no decisions"
-    for i, (a, b) in enumerate(zip(got_live.decisions, got_stub.decisions, strict=False)):
-        assert a == b, f"decision {i} differs:\n live {a}\n stub {b}"
-    assert len(got_live.decisions) == len(got_stub.decisions)
-    assert _shape(got_live) == _shape(got_stub)
+    for other, got in (("stub", got_stub), ("sim", got_sim)):
+        for i, (a, b) in enumerate(zip(got_live.decisions, got.decisions, strict=False)):
+            assert _untimed(a) == _untimed(b), f"decision {i} differs:\n live {a}\n {other} {b}"
+        assert len(got_live.decisions) == len(got.decisions)
+        assert _shape(got_live) == _shape(got)
+    # The simulator priced every step; the stub priced none.
+    assert all(s.duration_ms > 0 for s in got_sim.steps) and got_sim.duration_s > 0
+    assert got_sim.meta["priced"] is True and got_stub.meta["priced"] is False
     # The premise: the live run's routing is the one recorded with the default config.
     wl_ids = workload.router_trace.request("r0")[0]
     live_ids = got_live.meta["routes"]["r0"][0]

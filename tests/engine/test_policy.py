@@ -537,3 +537,69 @@ def test_same_inputs_same_decisions_in_other_processes() -> None:
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert other.returncode == 0, other.stderr[-2000:]
         assert other.stdout.strip().splitlines()[-1] == here, f"PYTHONHASHSEED={seed}"
+
+
+class _ReferenceCache:
+    """The cache's rules handled one expert at a time (each miss picks its victim by a full scan): the
+    oracle for :class:`ExpertCache`, which hands out an access's slots at once."""
+
+    def __init__(self, n_layers, capacity, policy):
+        self.cap, self.policy = capacity, policy
+        self.last = [{} for _ in range(n_layers)]
+        self.freq = [[0] * 64 for _ in range(n_layers)]
+        self.clock = 0
+
+    def _admit(self, layer, e, pinned, evicted):
+        cache = self.last[layer]
+        if len(cache) >= self.cap:
+            entries = [x for x in cache if x not in pinned]
+            if not entries:
+                return
+            key = (lambda x: (cache[x], -x)) if self.policy == "lru" else \
+                (lambda x: (self.freq[layer][x], cache[x], -x))
+            victim = min(entries, key=key)
+            del cache[victim]
+            evicted.append(victim)
+        cache[e] = self.clock
+
+    def access(self, layer, ids):
+        ids = list(dict.fromkeys(int(e) for e in ids if e != -1))
+        cache, hits, misses, evicted = self.last[layer], [], [], []
+        for e in ids:
+            self.clock += 1
+            self.freq[layer][e] += 1
+            if e in cache:
+                cache[e] = self.clock
+                hits.append(e)
+            else:
+                misses.append(e)
+                self._admit(layer, e, set(ids), evicted)
+        return hits, misses, evicted
+
+    def prefetch(self, layer, ids):
+        ids = list(dict.fromkeys(int(e) for e in ids if e != -1))
+        evicted = []
+        for e in ids:
+            self.clock += 1
+            if e in self.last[layer]:
+                self.last[layer][e] = self.clock
+            else:
+                self._admit(layer, e, set(ids), evicted)
+        return evicted
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("capacity", [0, 1, 5, 17, 64])
+def test_cache_matches_one_expert_at_a_time_reference(policy, capacity):
+    rng = np.random.default_rng(capacity + (policy == "lfu"))
+    fast, ref = ExpertCache(2, 64, capacity, policy=policy), _ReferenceCache(2, capacity, policy)
+    for step in range(300):
+        layer = int(rng.integers(2))
+        n = int(rng.integers(0, 40))
+        ids = (rng.zipf(1.3, n) % 64 if step % 3 else rng.integers(-1, 64, n)).tolist()
+        if step % 7 == 0:
+            assert fast.prefetch(layer, ids) == ref.prefetch(layer, ids)
+        else:
+            got = fast.access(layer, ids)
+            assert (got.hits, got.misses, got.evictions) == ref.access(layer, ids), step
+        assert fast.cached(layer) == sorted(ref.last[layer])

@@ -16,33 +16,43 @@ Pure and deterministic (numpy and the standard library).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
 from engine.moe.policy.batching import step_slices
 from engine.moe.policy.execution import CostModel
 from engine.moe.policy.plan import (
+    WHERE,
     DecisionLog,
     LayerDecision,
     PartPlan,
     ReplicaChange,
+    RunArrays,
     StepMoves,
     TierStats,
+    counts_by_layer,
     counts_of,
     moves_bytes,
-    plan_runs,
+    plan_run_arrays,
+    plan_where,
     tier_bytes,
 )
-from engine.moe.policy.replication import plan_replicas
+from engine.moe.policy.replication import plan_replicas, split_tokens
 from engine.moe.policy.residency import (
     TIER_CODES,
     DynamicResidency,
     ExpertCache,
     ResidencyPlan,
+    StepAccess,
     layer_budgets,
     plan_static,
 )
+
+_FETCH = WHERE.index("fetch")
+_HOST_WHERE = WHERE.index("host")
 
 SWAP_SHARE_DEFAULT = 8
 """With ``dynamic_max_swaps == 0``, a re-plan makes at most one exchange per this many experts of a
@@ -91,6 +101,72 @@ class PlanSettings:
     @property
     def max_swaps_per_replan(self) -> int:
         return self.dynamic_max_swaps or max(1, self.n_experts // SWAP_SHARE_DEFAULT)
+
+
+class TrivialStep(Sequence[LayerDecision]):
+    """The trivial decisions of every MoE layer of one step (every routed expert resident, one
+    micro-batch), each built when read: ``counts`` ``[L, E]`` over ``n_tokens`` tokens."""
+
+    trivial = True
+
+    def __init__(self, counts: np.ndarray, n_tokens: int) -> None:
+        self.counts = counts
+        self.n_tokens = n_tokens
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> LayerDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LayerDecision]: ...
+
+    def __getitem__(self, i: int | slice) -> LayerDecision | list[LayerDecision]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        li = i % len(self)
+        return LayerDecision(li, self.counts[li], self.n_tokens)
+
+
+class StepPlan(Sequence[LayerDecision]):
+    """The decisions of every MoE layer of one step planned at once (:meth:`ResidencyController.plan_step`):
+    ``where`` ``[L, E]`` (an index into :data:`WHERE` per routed expert, -1 where not routed), ``splits``
+    per layer of replicated runs; each :class:`LayerDecision` is built when read."""
+
+    trivial = False
+
+    def __init__(self, counts: np.ndarray, where: np.ndarray, n_tokens: int,
+                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None) -> None:
+        self.counts, self.where, self.n_tokens, self.splits = counts, where, n_tokens, splits
+        self.cache = cache
+        """Cache residency: every layer's access of the step (None without a cache)."""
+        self.n_admitted = cache.admitted.sum(1) if cache is not None else None
+        """Experts each layer's cache took in ``[L]`` (None without a cache)."""
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> LayerDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[LayerDecision]: ...
+
+    def __getitem__(self, i: int | slice) -> LayerDecision | list[LayerDecision]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        li = i % len(self)
+        routed = np.flatnonzero(self.where[li] >= 0)
+        arrays = RunArrays(routed.astype(np.int64), self.counts[li, routed].astype(np.int64),
+                           self.where[li, routed].astype(np.int8), self.splits.get(li, ()))
+        access, admitted = self.cache.layer(li) if self.cache is not None else (None, ())
+        return LayerDecision(li, self.counts[li], self.n_tokens,
+                             (PartPlan(0, self.n_tokens, None, access, admitted, arrays),))
 
 
 class ResidencyController:
@@ -144,12 +220,14 @@ class ResidencyController:
             log.initial(self.plan.hi, self.plan.lo)
 
     # ------------------------------------------------------------------ per layer
-    def plan_layer(self, layer: int, ids: np.ndarray) -> LayerDecision:
+    def plan_layer(self, layer: int, ids: np.ndarray, counts: np.ndarray | None = None) -> LayerDecision:
         """The decision of MoE layer ``layer`` (0-based among MoE layers) for a step whose routed
-        expert ids are ``ids`` ``[T, K]`` (-1 = skipped slot)."""
+        expert ids are ``ids`` ``[T, K]`` (-1 = skipped slot); ``counts``: their tokens per expert,
+        when already counted."""
         s = self.settings
         t = int(ids.shape[0])
-        counts = counts_of(ids, s.n_experts)
+        if counts is None:
+            counts = counts_of(ids, s.n_experts)
         if s.trivial:
             self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
             decision = LayerDecision(layer, counts, t)
@@ -164,6 +242,69 @@ class ResidencyController:
         if self.log is not None:
             self.log.layer(decision)
         return decision
+
+    def plan_step(self, ids: np.ndarray) -> tuple[Sequence[LayerDecision], np.ndarray]:
+        """The decisions of every MoE layer of a step whose routed ids are ``ids`` ``[T, L, K]``, in
+        layer order (what :meth:`plan_layer` decides for each), and the step's routed counts ``[L, E]``.
+        Trivial plans come as a :class:`TrivialStep` that builds each decision when read."""
+        counts = counts_by_layer(ids, self.settings.n_experts)
+        if self.settings.trivial:
+            self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
+            decisions = TrivialStep(counts, int(ids.shape[0]))
+            if self.log is not None:
+                for d in decisions:
+                    self.log.layer(d)
+            return decisions, counts
+        t = int(ids.shape[0])
+        one_part = len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1
+        if one_part and (self.cache is None or self.settings.prefetch_experts == 0):
+            access = self._access_all_layers(counts) if self.cache is not None else None
+            decisions = self._plan_all_layers(counts, t, access)
+            if self.log is not None:
+                for d in decisions:
+                    self.log.layer(d)
+            return decisions, counts
+        return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
+
+    def _access_all_layers(self, counts: np.ndarray) -> StepAccess:
+        """The cache access of every layer of a step (one micro-batch, no prefetch: nothing links one
+        layer's cache to the next within a step), as :meth:`_plan_part` makes it layer by layer."""
+        cache = self.cache
+        assert cache is not None
+        s, st = self.settings, self.stats
+        acc = cache.access_step(counts > 0)
+        self.tiers[acc.evicted] = TIER_CODES["host"]
+        self.tiers[acc.admitted] = TIER_CODES["hi"]
+        n_ev, n_adm = int(acc.evicted.sum()), int(acc.admitted.sum())
+        st.cache_hits += int(acc.hits.sum())
+        st.cache_misses += int(acc.misses.sum())
+        st.cache_evictions += n_ev
+        st.bytes_evicted += n_ev * s.bytes_hi
+        st.bytes_to_fast += n_adm * s.bytes_hi
+        return acc
+
+    def _plan_all_layers(self, counts: np.ndarray, t: int, access: StepAccess | None = None) -> StepPlan:
+        """:meth:`plan_layer` of every layer at once where nothing changes between layers within a step
+        (one micro-batch; a cache without prefetch): the same runs as :func:`plan_run_arrays` per
+        layer, elementwise."""
+        s = self.settings
+        where = plan_where(counts, self.tiers, s.missing, self.cost, s.bytes_host)  # [L, E], -1 = not routed
+        n_by = np.bincount(where[where >= 0], minlength=len(WHERE)).tolist()
+        st = self.stats
+        st.expert_calls_fast_hi += n_by[0]
+        st.expert_calls_fast_lo += n_by[1]
+        st.expert_calls_host += n_by[2]
+        st.expert_calls_fetched += n_by[3]
+        st.bytes_to_fast += s.bytes_hi * n_by[3]
+        splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
+        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0)
+        if replicated.any():
+            for li, e in zip(*np.nonzero(replicated), strict=True):
+                r = int(self.replicas[li, e])
+                splits.setdefault(int(li), ())
+                splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
+                st.replica_calls += r
+        return StepPlan(counts, where, t, splits, access)
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:
@@ -186,10 +327,10 @@ class ResidencyController:
             st.cache_evictions += len(access.evictions)
             st.bytes_evicted += len(access.evictions) * s.bytes_hi
             st.bytes_to_fast += len(admitted) * s.bytes_hi
-        runs = plan_runs(counts, self.tiers[layer], self.replicas[layer], s.missing, self.cost, s.bytes_host)
-        self.stats.count_runs(runs)
-        self.stats.bytes_to_fast += sum(s.bytes_hi for r in runs if r.where == "fetch")
-        return PartPlan(start, stop, runs, access, admitted)
+        arrays = plan_run_arrays(counts, self.tiers[layer], self.replicas[layer], s.missing, self.cost, s.bytes_host)
+        self.stats.count_arrays(arrays)
+        self.stats.bytes_to_fast += s.bytes_hi * int(np.count_nonzero(arrays.where == _FETCH))
+        return PartPlan(start, stop, None, access, admitted, arrays)
 
     def _prefetch_next(self, layer: int, ids: np.ndarray, counts: np.ndarray) -> tuple[tuple[int, ...],
                                                                                      tuple[int, ...]]:

@@ -19,9 +19,9 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from engine.moe.policy.execution import CostModel, Mode, plan_layer
+from engine.moe.policy.execution import CostModel, Mode
 from engine.moe.policy.replication import split_tokens
-from engine.moe.policy.residency import TIER_NAMES, CacheAccess, Move
+from engine.moe.policy.residency import CacheAccess, Move
 
 Where = Literal["hi", "lo", "host", "fetch"]
 WHERE: tuple[Where, ...] = ("hi", "lo", "host", "fetch")
@@ -38,16 +38,53 @@ class ExpertRun(NamedTuple):
     split: tuple[int, ...] = ()
 
 
+class RunArrays(NamedTuple):
+    """The runs of one micro-batch as arrays, in expert order: ``experts`` and ``tokens`` int64 ``[R]``,
+    ``where`` int8 ``[R]`` (an index into :data:`WHERE`), and ``splits``: ``(expert, tokens per copy)``
+    of each replicated run. What backends without tensors read; :meth:`runs` is the same as tuples."""
+
+    experts: np.ndarray
+    tokens: np.ndarray
+    where: np.ndarray
+    splits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def runs(self) -> tuple[ExpertRun, ...]:
+        split = dict(self.splits)
+        return tuple(ExpertRun(e, n, WHERE[w], split.get(e, ()))
+                     for e, n, w in zip(self.experts.tolist(), self.tokens.tolist(), self.where.tolist(), strict=True))
+
+    @classmethod
+    def of_runs(cls, runs: Sequence[ExpertRun]) -> RunArrays:
+        return cls(np.array([r.expert for r in runs], np.int64), np.array([r.tokens for r in runs], np.int64),
+                   np.array([WHERE.index(r.where) for r in runs], np.int8),
+                   tuple((r.expert, tuple(r.split)) for r in runs if r.split))
+
+
 @dataclass(frozen=True)
 class PartPlan:
-    """One micro-batch of a layer: token rows ``[start, stop)`` of the step, the runs in expert order,
-    and the cache access (``None`` without cache residency); ``admitted`` are the misses the cache took in."""
+    """One micro-batch of a layer: token rows ``[start, stop)`` of the step, the runs in expert order
+    (given, or built on first use from ``arrays``), and the cache access (``None`` without cache
+    residency); ``admitted`` are the misses the cache took in."""
 
     start: int
     stop: int
-    runs: tuple[ExpertRun, ...]
+    _runs: tuple[ExpertRun, ...] | None = None
     cache: CacheAccess | None = None
     admitted: tuple[int, ...] = ()
+    _arrays: RunArrays | None = None
+
+    @property
+    def runs(self) -> tuple[ExpertRun, ...]:
+        if self._runs is None:
+            assert self._arrays is not None
+            object.__setattr__(self, "_runs", self._arrays.runs())
+        return self._runs  # type: ignore[return-value]
+
+    @property
+    def arrays(self) -> RunArrays:
+        if self._arrays is None:
+            object.__setattr__(self, "_arrays", RunArrays.of_runs(self.runs))
+        return self._arrays  # type: ignore[return-value]
 
     def compact(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rows": [self.start, self.stop]}
@@ -84,10 +121,17 @@ class LayerDecision:
     prefetch_evicted: tuple[int, ...] = ()
 
     @property
+    def trivial(self) -> bool:
+        """Every routed expert resident in one micro-batch (the parts are built only when read)."""
+        return self._parts is None
+
+    @property
     def parts(self) -> tuple[PartPlan, ...]:
         if self._parts is None:
-            runs = tuple(ExpertRun(int(e), int(self.counts[e]), "hi") for e in np.flatnonzero(self.counts))
-            object.__setattr__(self, "_parts", (PartPlan(0, self.n_tokens, runs),))
+            routed = np.flatnonzero(self.counts)
+            arrays = RunArrays(routed, np.asarray(self.counts)[routed].astype(np.int64),
+                               np.zeros(len(routed), np.int8))
+            object.__setattr__(self, "_parts", (PartPlan(0, self.n_tokens, _arrays=arrays),))
         return self._parts  # type: ignore[return-value]
 
     def compact(self) -> dict[str, Any]:
@@ -145,22 +189,76 @@ def plan_runs(counts: np.ndarray | Sequence[int], tiers: np.ndarray | Sequence[i
     :data:`~engine.moe.policy.residency.TIER_CODES`); ``replicas[e]``: its extra copies. A resident
     expert runs in its tier's precision, its tokens split across its copies when it has replicas
     (:func:`~engine.moe.policy.replication.split_tokens`); a missing one runs on the host or is
-    fetched, as :func:`~engine.moe.policy.execution.plan_layer` decides from ``mode`` and ``cost``
-    for an expert of ``host_bytes`` bytes. Runs are in expert order.
+    fetched, as :func:`~engine.moe.policy.execution.decide` decides from ``mode`` and ``cost``
+    for an expert of ``host_bytes`` bytes. Runs are in expert order. (:func:`plan_run_arrays` as tuples.)
     """
-    routed = {int(e): int(counts[e]) for e in np.flatnonzero(np.asarray(counts))}
-    tier = np.asarray(tiers)
-    resident = [e for e in routed if tier[e] > 0]
-    placement = plan_layer(routed, resident, mode, cost, host_bytes) if len(resident) < len(routed) else {}
-    out = []
-    for e, n in routed.items():
-        code = int(tier[e])
-        if code > 0:
-            r = int(replicas[e])
-            out.append(ExpertRun(e, n, TIER_NAMES[code], tuple(split_tokens(n, r + 1)) if r else ()))
-        else:
-            out.append(ExpertRun(e, n, placement[e]))
-    return tuple(out)
+    return plan_run_arrays(counts, tiers, replicas, mode, cost, host_bytes).runs()
+
+
+_CODE_TO_WHERE = np.array([WHERE.index("host"), WHERE.index("lo"), WHERE.index("hi")], np.int8)
+_HOST, _FETCH = WHERE.index("host"), WHERE.index("fetch")
+
+
+def plan_run_arrays(counts: np.ndarray | Sequence[int], tiers: np.ndarray | Sequence[int],
+                    replicas: np.ndarray | Sequence[int], mode: Mode, cost: CostModel | None,
+                    host_bytes: int) -> RunArrays:
+    """:func:`plan_runs` as :class:`RunArrays`: the same decisions, made for all experts at once.
+
+    ``auto`` compares :meth:`~CostModel.fetch_s` with :meth:`~CostModel.host_compute_s` elementwise
+    with the same arithmetic as :func:`~engine.moe.policy.execution.decide` (a tie goes to the host).
+    """
+    c = np.asarray(counts)
+    routed = np.flatnonzero(c)
+    tokens = c[routed].astype(np.int64)
+    code = np.asarray(tiers)[routed]
+    where = _CODE_TO_WHERE[code]
+    missing = code <= 0
+    if missing.any():
+        if mode == "fetch":
+            where[missing] = _FETCH
+        elif mode == "auto":
+            if cost is None:
+                raise ValueError("mode 'auto' needs a calibrated cost model")
+            n = tokens[missing].astype(np.float64)
+            h, d = cost._cost("host", None), cost._cost("device", None)
+            host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
+            fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
+                                                                                  + n * d.token_s_per_byte))
+            where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
+        elif mode != "host":
+            raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+    splits: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    rep = np.asarray(replicas)[routed]
+    replicated = np.flatnonzero((~missing) & (rep > 0))
+    if replicated.size:
+        splits = tuple((int(routed[i]), tuple(split_tokens(int(tokens[i]), int(rep[i]) + 1)))
+                       for i in replicated.tolist())
+    return RunArrays(routed.astype(np.int64), tokens, where, splits)
+
+
+def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostModel | None,
+               host_bytes: int) -> np.ndarray:
+    """Where each routed expert of every layer runs: int8 ``[L, E]`` indices into :data:`WHERE` (-1 where
+    ``counts`` is 0), decided as :func:`plan_run_arrays` decides them layer by layer."""
+    c = np.asarray(counts)
+    where = _CODE_TO_WHERE[np.asarray(tiers)].astype(np.int8)
+    missing = (np.asarray(tiers) <= 0) & (c > 0)
+    if missing.any():
+        if mode == "fetch":
+            where[missing] = _FETCH
+        elif mode == "auto":
+            if cost is None:
+                raise ValueError("mode 'auto' needs a calibrated cost model")
+            n = c[missing].astype(np.float64)
+            h, d = cost._cost("host", None), cost._cost("device", None)
+            host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
+            fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
+                                                                                  + n * d.token_s_per_byte))
+            where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
+        elif mode != "host":
+            raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+    where[c <= 0] = -1
+    return where
 
 
 @dataclass
@@ -180,6 +278,15 @@ class TierStats:
     cache_hits: int = 0
     cache_misses: int = 0
     cache_evictions: int = 0
+
+    def count_arrays(self, a: RunArrays) -> None:
+        """:meth:`count_runs` of a micro-batch's :class:`RunArrays`."""
+        n = np.bincount(a.where, minlength=len(WHERE)).tolist()
+        self.expert_calls_fast_hi += n[0]
+        self.expert_calls_fast_lo += n[1]
+        self.expert_calls_host += n[2]
+        self.expert_calls_fetched += n[3]
+        self.replica_calls += sum(len(split) - 1 for _, split in a.splits)
 
     def count_runs(self, runs: Sequence[ExpertRun]) -> None:
         for r in runs:
@@ -206,10 +313,13 @@ class MoEStats:
     layer_calls: int = 0
     distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
     last: dict[int, np.ndarray] = field(default_factory=dict)  # the last step's counts per layer
+    _acc: np.ndarray | None = field(default=None, repr=False)  # add_step's [L, E]; counts' rows are views of it
+    _acc_layers: tuple[int, ...] = field(default=(), repr=False)
 
     def add(self, layer: int, counts: np.ndarray | Sequence[int]) -> None:
         """Record one step of one layer: ``counts[e]`` tokens routed to expert ``e``."""
         c = np.asarray(counts, dtype=np.int64)
+        self._acc = None  # counts now changes layer by layer
         self.layer_calls += 1
         self.distinct_experts += int(np.count_nonzero(c))
         self.last[layer] = c
@@ -217,6 +327,20 @@ class MoEStats:
             self.counts[layer] = self.counts[layer] + c
         else:
             self.counts[layer] = c.copy()
+
+    def add_step(self, layers: Sequence[int], counts: np.ndarray) -> None:
+        """:meth:`add` for every MoE layer of one step: ``counts`` ``[len(layers), E]``."""
+        self.layer_calls += len(layers)
+        self.distinct_experts += int(np.count_nonzero(counts))
+        if self._acc is None or self._acc_layers != tuple(layers):
+            acc = np.zeros(counts.shape, np.int64)
+            for i, layer in enumerate(layers):
+                if layer in self.counts:
+                    acc[i] = self.counts[layer]
+                self.counts[layer] = acc[i]
+            self._acc, self._acc_layers = acc, tuple(layers)
+        self._acc += counts
+        self.last.update(zip(layers, counts, strict=True))
 
     def step_counts(self, layers: Sequence[int]) -> np.ndarray:
         """Routed tokens per expert in the last step, ``[len(layers), E]``."""
@@ -229,6 +353,7 @@ class MoEStats:
     def reset(self) -> None:
         self.counts.clear()
         self.last.clear()
+        self._acc = None
         self.layer_calls = self.distinct_experts = 0
 
 
@@ -251,6 +376,17 @@ class DecisionLog:
         if not moves.empty:
             self.entries.append({"step": self.step, "moves": moves.compact()})
         self.step += 1
+
+
+def counts_by_layer(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """Tokens routed to each expert per layer of ``ids`` ``[T, L, K]`` (ids < 0 skipped): int64 ``[L, E]``
+    (:func:`counts_of` of every layer, in one pass)."""
+    n_layers = ids.shape[1]
+    # Shift ids by one so a skipped slot (-1) lands in each layer's bin 0, which is dropped.
+    stride = n_experts + 1
+    flat = ids.astype(np.int64) + (np.arange(n_layers, dtype=np.int64) * stride + 1)[None, :, None]
+    counts = np.bincount(flat.reshape(-1), minlength=n_layers * stride).reshape(n_layers, stride)
+    return counts[:, 1:]
 
 
 def counts_of(ids: np.ndarray, n_experts: int) -> np.ndarray:

@@ -450,6 +450,24 @@ class CacheAccess(NamedTuple):
     evictions: list[int]
 
 
+class StepAccess(NamedTuple):
+    """Outcome of one :meth:`ExpertCache.access_step`, ``[L, E]`` masks: hits, misses, evicted and
+    admitted experts; ``rank`` orders each layer's victims (eviction order)."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    evicted: np.ndarray
+    admitted: np.ndarray
+    rank: np.ndarray
+
+    def layer(self, li: int) -> tuple[CacheAccess, tuple[int, ...]]:
+        """Layer ``li`` as :meth:`ExpertCache.access` returns it, and its admitted experts."""
+        ev = np.flatnonzero(self.evicted[li])
+        ev = ev[np.argsort(self.rank[li, ev])]
+        return (CacheAccess(np.flatnonzero(self.hits[li]).tolist(), np.flatnonzero(self.misses[li]).tolist(),
+                            ev.tolist()), tuple(np.flatnonzero(self.admitted[li]).tolist()))
+
+
 class TransitionTable:
     """Co-occurrence of routed experts between consecutive MoE layers, for next-layer prefetch.
 
@@ -555,7 +573,10 @@ class ExpertCache:
         self.transitions = transitions if transitions is not None else TransitionTable(self.n_layers, self.n_experts)
         if (self.transitions.n_layers, self.transitions.n_experts) != (self.n_layers, self.n_experts):
             raise ValueError("transitions table shape differs from the cache's")
-        self._last_used: list[dict[int, int]] = [{} for _ in range(self.n_layers)]
+        # The clock of each cached expert's last use (-1: not cached). Every use takes a fresh tick,
+        # so clocks never tie among cached experts.
+        self._last = np.full((self.n_layers, self.n_experts), -1, np.int64)
+        self._size = [0] * self.n_layers
         self._freq = np.zeros((self.n_layers, self.n_experts), np.int64)
         self._clock = 0
         self.hits = 0
@@ -576,34 +597,48 @@ class ExpertCache:
 
     def cached(self, layer: int) -> list[int]:
         """Expert ids cached at ``layer``, sorted."""
-        return sorted(self._last_used[layer])
+        return np.flatnonzero(self._last[layer] >= 0).tolist()
 
-    def _victim(self, layer: int, pinned: set[int]) -> int | None:
-        entries = [e for e in self._last_used[layer] if e not in pinned]
-        if not entries:
-            return None
-        last = self._last_used[layer]
-        if self.policy == "lru":
-            return min(entries, key=lambda e: (last[e], -e))
-        return min(entries, key=lambda e: (int(self._freq[layer, e]), last[e], -e))
+    def _admit_all(self, layer: int, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Hits refreshed, misses admitted in order (evicting as needed), one clock tick per id, as if
+        each were handled in turn; returns (hits, misses, evicted).
 
-    def _admit(self, layer: int, expert: int, pinned: set[int], evicted: list[int]) -> bool:
-        cache = self._last_used[layer]
-        if len(cache) >= self.capacity_experts[layer]:
-            victim = self._victim(layer, pinned)
-            if victim is None:
-                return False
-            del cache[victim]
-            evicted.append(victim)
-        cache[expert] = self._clock
-        return True
+        Handled at once: the ids of one call are in use together, so none is evicted by another, and
+        the experts outside them are not touched while their slots are handed out, so the eviction
+        order (LRU: oldest use first; LFU: fewest uses, then oldest) is fixed for the whole call."""
+        if not ids:
+            return [], [], []
+        last = self._last[layer]
+        idx = np.asarray(ids, dtype=np.int64)
+        held = last[idx] >= 0
+        miss_at = np.flatnonzero(~held)
+        room = max(0, self.capacity_experts[layer] - self._size[layer])
+        need = len(miss_at) - room
+        victims = idx[:0]
+        if need > 0:
+            free = last >= 0
+            free[idx] = False
+            cand = np.flatnonzero(free)
+            if len(cand):
+                order = np.argsort(last[cand]) if self.policy == "lru" else \
+                    np.lexsort((-cand, last[cand], self._freq[layer, cand]))
+                victims = cand[order[:need]]
+                last[victims] = -1
+        taken = held.copy()
+        taken[miss_at[:room + len(victims)]] = True
+        last[idx[taken]] = self._clock + 1 + np.flatnonzero(taken)
+        self._clock += len(idx)
+        self._size[layer] += min(len(miss_at), room + len(victims)) - len(victims)
+        return idx[held].tolist(), idx[miss_at].tolist(), victims.tolist()
 
     def _unique(self, layer: int, experts: Iterable[int]) -> list[int]:
         if not 0 <= layer < self.n_layers:
             raise ValueError(f"layer must lie in [0, {self.n_layers}), got {layer}")
-        out = list(dict.fromkeys(int(e) for e in experts if int(e) != NO_EXPERT))
-        bad = [e for e in out if not 0 <= e < self.n_experts]
-        if bad:
+        seen = dict.fromkeys(experts.tolist() if isinstance(experts, np.ndarray) else experts)  # first-seen order
+        seen.pop(NO_EXPERT, None)
+        out = [int(e) for e in seen]
+        if out and (min(out) < 0 or max(out) >= self.n_experts):
+            bad = [e for e in out if not 0 <= e < self.n_experts]
             raise ValueError(f"expert ids {bad} are outside [0, {self.n_experts})")
         return out
 
@@ -613,36 +648,55 @@ class ExpertCache:
         Hits refresh recency; misses are admitted in the given order, evicting as needed.
         """
         ids = self._unique(layer, experts)
-        pinned = set(ids)
-        cache = self._last_used[layer]
-        hits: list[int] = []
-        misses: list[int] = []
-        evicted: list[int] = []
-        for e in ids:
-            self._clock += 1
-            self._freq[layer, e] += 1
-            if e in cache:
-                cache[e] = self._clock
-                hits.append(e)
-            else:
-                misses.append(e)
-                self._admit(layer, e, pinned, evicted)
+        if ids:
+            self._freq[layer, ids] += 1  # ids are unique: one count each
+        hits, misses, evicted = self._admit_all(layer, ids)
         self.hits += len(hits)
         self.misses += len(misses)
         self.evictions += len(evicted)
         return CacheAccess(hits, misses, evicted)
 
+    def access_step(self, routed: np.ndarray) -> StepAccess:
+        """:meth:`access` of every layer in turn, layer 0 first, with the experts routed at each
+        (``routed`` ``[L, E]`` bool, ascending ids within a layer), as arrays: the same clocks, hits,
+        admissions and victims (each layer's cache is its own; only the clock is shared, and it
+        advances by the routed experts of each layer in order)."""
+        routed = np.asarray(routed, dtype=bool)
+        if routed.shape != self._last.shape:
+            raise ValueError(f"routed must be [{self.n_layers}, {self.n_experts}], got {list(routed.shape)}")
+        last, clock0 = self._last, self._clock
+        clocks = clock0 + np.cumsum(routed.ravel()).reshape(routed.shape)
+        held = last >= 0
+        hit, miss = routed & held, routed & ~held
+        n_miss = miss.sum(1)
+        room = np.maximum(0, np.asarray(self.capacity_experts) - np.asarray(self._size))
+        need = n_miss - room
+        cand = held & ~routed
+        # Eviction order within a layer: LRU oldest use first; LFU fewest uses, then oldest (clocks never
+        # tie among cached experts, so the key is unique).
+        key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
+        key = np.where(cand, key, np.iinfo(np.int64).max)
+        rank = np.empty_like(key)
+        order = np.argsort(key, axis=1, kind="stable")
+        np.put_along_axis(rank, order, np.arange(self.n_experts)[None, :].repeat(self.n_layers, 0), axis=1)
+        victim = cand & (rank < need[:, None])
+        n_vict = victim.sum(1)
+        admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None])
+        self._freq += routed
+        last[victim] = -1
+        use = hit | admitted
+        last[use] = clocks[use]
+        self._clock = int(clock0 + routed.sum())
+        self._size = (np.asarray(self._size) + admitted.sum(1) - n_vict).tolist()
+        self.hits += int(hit.sum())
+        self.misses += int(n_miss.sum())
+        self.evictions += int(n_vict.sum())
+        return StepAccess(hit, miss, victim, admitted, rank)
+
     def prefetch(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Admit ``experts`` at ``layer`` ahead of use (no hit or miss counted); returns the evicted ids."""
         ids = self._unique(layer, experts)
-        pinned = set(ids)
-        evicted: list[int] = []
-        for e in ids:
-            self._clock += 1
-            if e in self._last_used[layer]:
-                self._last_used[layer][e] = self._clock
-            else:
-                self._admit(layer, e, pinned, evicted)
+        _, _, evicted = self._admit_all(layer, ids)
         self.evictions += len(evicted)
         return evicted
 
@@ -655,5 +709,5 @@ class ExpertCache:
         """Up to ``k`` experts of ``next_layer`` to prefetch, most likely first, given the experts
         (or ``{expert: tokens}``) routed to at ``next_layer - 1``; already cached ones are skipped
         unless ``exclude_cached`` is False."""
-        exclude = self._last_used[next_layer] if exclude_cached else ()
+        exclude = self.cached(next_layer) if exclude_cached else ()
         return self.transitions.predict(next_layer, current_ids, k, exclude=exclude)

@@ -1,0 +1,229 @@
+"""Synthetic routing for the simulator, when the workload has no router trace.
+
+Each token's experts at every MoE layer come from a pool of routed tokens drawn once with the
+model's hotness: :func:`workloads.synth.synth_router_trace` (Zipf-like popularity per layer with
+``skew``, token-by-token correlation between consecutive layers), ``pool_tokens`` tokens. A token
+takes one pool row (all layers together, so the correlation between layers is kept), picked by a
+hash of its request and position: the same token routes the same way in every config, so configs
+compare on the same routing.
+
+The hot set drifts over time (DynaExq's case): "time" is the order of the tokens of the requests in
+the order they are added (their arrival order), as a recorded trace's tokens are. Every
+``drift_window_tokens`` tokens, at each MoE layer, ``drift`` of the experts (by popularity: hot ones
+are picked as often as they are routed) trade their popularity with a random expert, so the hottest
+experts of one window may be cold a few windows later. Hotness for static and dynamic residency is
+that of the start (what a warm-up would count), so static placement cannot follow the drift.
+
+Pure numpy; the object offers what the backends read of a :class:`~workloads.router.RouterTrace`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from workloads.router import SYNTHETIC_PREFIX
+
+_HASH_MUL = 0x9E3779B1  # Knuth's multiplicative hash constant (2^32 / golden ratio)
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What a synthetic router needs of the model: MoE layers (indices), experts, top-k."""
+
+    moe_layers: tuple[int, ...]
+    n_experts: int
+    top_k: int
+    n_layers: int
+    hidden_size: int = 0
+
+
+@dataclass(frozen=True)
+class SyntheticRouting:
+    """The knobs of synthetic routing (``engine run --backend sim --router-skew ...``)."""
+
+    skew: float = 1.0
+    """Zipf exponent of expert popularity per layer (0: uniform)."""
+    drift: float = 0.1
+    """Share of each layer's experts (by popularity) that trade places with a random one per window."""
+    drift_window_tokens: int = 4096
+    layer_corr: float = 0.5
+    pool_tokens: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.skew < 0 or not 0 <= self.drift <= 1 or self.drift_window_tokens < 1 or not 0 <= self.layer_corr <= 1:
+            raise ValueError(f"synthetic routing: need skew >= 0, 0 <= drift <= 1, drift_window_tokens >= 1 and "
+                             f"0 <= layer_corr <= 1; got skew={self.skew}, drift={self.drift}, "
+                             f"drift_window_tokens={self.drift_window_tokens}, layer_corr={self.layer_corr}")
+        if self.pool_tokens < 16:
+            raise ValueError(f"synthetic routing: pool_tokens={self.pool_tokens}: must be >= 16")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class SyntheticRoutes:
+    """Routes of every token of every request added, drawn as the module docstring says."""
+
+    def __init__(self, shape: RoutingShape, routing: SyntheticRouting | None = None) -> None:
+        from workloads.schema import Request
+        from workloads.synth import synth_router_trace
+
+        self.shape = shape
+        self.routing = r = routing or SyntheticRouting()
+        pool = synth_router_trace([Request("pool", 0.0, r.pool_tokens, 1)], n_layers=shape.n_layers,
+                                  n_experts=shape.n_experts, top_k=shape.top_k, moe_layers=list(shape.moe_layers),
+                                  hidden_size=shape.hidden_size, skew=r.skew, drift=0.0,
+                                  drift_window_tokens=r.pool_tokens, layer_corr=r.layer_corr, seed=r.seed)
+        self.pool_ids = pool.expert_ids  # [P, L, K] int16
+        self.pool_gates = pool.gate_weights
+        self.n_pool = self.pool_ids.shape[0]
+        self._start_hotness = pool.hotness()  # [L, E]
+        digest = hashlib.sha256(json.dumps({"shape": vars(shape), "routing": r.to_dict()}, sort_keys=True,
+                                           default=list).encode()).hexdigest()[:16]
+        self.model_identity = {"arch": "synthetic", "n_layers": shape.n_layers, "moe_layers": list(shape.moe_layers),
+                               "n_experts": shape.n_experts, "top_k": shape.top_k, "hidden_size": shape.hidden_size,
+                               "fingerprint": f"{SYNTHETIC_PREFIX}{digest}", "synthetic": r.to_dict()}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._win_cache: dict[int, np.ndarray] = {}
+        n_moe, e = len(self.shape.moe_layers), self.shape.n_experts
+        self._rng = np.random.default_rng([self.routing.seed, 7])
+        self._perms = [np.tile(np.arange(e, dtype=np.int16), (n_moe, 1))]  # window -> [L, E] expert labels
+        self._arr = np.stack(self._perms)
+        self._base: dict[str, int] = {}  # request -> its first token's time
+        self._salt: dict[str, int] = {}
+        self._clock = 0
+
+    def fresh(self) -> SyntheticRoutes:
+        """The same pool with no request added yet and the drift started afresh (one per run)."""
+        other = copy.copy(self)
+        other._reset()
+        return other
+
+    # -------------------------------------------------------------------------- what backends read
+    def __contains__(self, key: object) -> bool:
+        return key in self._base
+
+    def check_model(self, identity: Mapping[str, Any], source: str, **_: Any) -> None:
+        """Synthetic routes fit any model of their routing shape (they were drawn for it)."""
+
+    def hotness(self) -> np.ndarray:
+        """Shares of routed tokens per expert at the start, ``[MoE layers, E]``."""
+        return self._start_hotness.copy()
+
+    @property
+    def is_synthetic(self) -> bool:
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"synthetic": True, **self.routing.to_dict(), "fingerprint": self.model_identity["fingerprint"]}
+
+    # --------------------------------------------------------------------------------- routing
+    def add(self, key: str, n_tokens: int) -> None:
+        """Register a request whose tokens (prompt and generated, fed back) number ``n_tokens``."""
+        if key in self._base:
+            return
+        self._base[key] = self._clock
+        self._salt[key] = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+        self._clock += max(int(n_tokens), 0)
+
+    def forget(self, key: str) -> None:
+        self._base.pop(key, None)
+        self._salt.pop(key, None)
+
+    def rows(self, key: str, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert ids and gate weights ``[n, MoE layers, K]`` of tokens ``start..start+n`` of request ``key``."""
+        return self.rows_many([key], [start], [n])
+
+    def rows_many(self, keys: list[str], starts: list[int], counts: list[int],
+                  gates: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`rows` of several requests at once, concatenated in the order given (``gates=False``:
+        the expert ids alone, gate weights None: what a step without routing pruning reads)."""
+        n = np.asarray(counts, dtype=np.int64)
+        total = int(n.sum())
+        owner = np.repeat(np.arange(len(keys)), n)
+        first = np.concatenate([[0], np.cumsum(n)[:-1]])
+        pos = np.arange(total, dtype=np.int64) - first[owner] + np.asarray(starts, dtype=np.int64)[owner]
+        salt = np.asarray([self._salt[k] for k in keys], dtype=np.uint64)[owner]
+        rows = ((pos.astype(np.uint64) * np.uint64(_HASH_MUL) + salt) % np.uint64(self.n_pool)).astype(np.int64)
+        gate_rows = self.pool_gates[rows] if gates else None
+        r = self.routing
+        if r.drift <= 0 or not total:
+            return self.pool_ids[rows], gate_rows  # [N, L, K]
+        t = np.asarray([self._base[k] for k in keys], dtype=np.int64)[owner] + pos
+        win = t // r.drift_window_tokens
+        w0, w1 = int(win.min()), int(win.max())
+        if w0 == w1:  # one window (the usual case): the pool with that window's labels, mapped once
+            return self._window_pool(w0)[rows], gate_rows
+        perms = self._perms_to(w1)
+        n_layers, e = perms.shape[1], perms.shape[2]
+        flat = perms.reshape(-1)
+        ids = flat[self.pool_ids[rows] + (win * (n_layers * e))[:, None, None] + self._layer_offsets(n_layers, e)]
+        return ids, gate_rows
+
+    def _window_pool(self, window: int) -> np.ndarray:
+        """The pool's expert ids ``[P, L, K]`` relabelled by window ``window``'s permutations (cached: the
+        last few windows are what the running requests are in)."""
+        cache = self.__dict__.setdefault("_win_cache", {})
+        got = cache.get(window)
+        if got is None:
+            perms = self._perms_to(window)
+            n_layers, e = perms.shape[1], perms.shape[2]
+            got = perms[window].reshape(-1)[self.pool_ids + self._layer_offsets(n_layers, e)]
+            if len(cache) >= 8:
+                cache.pop(min(cache))
+            cache[window] = got
+        return got
+
+    def _layer_offsets(self, n_layers: int, n_experts: int) -> np.ndarray:
+        if getattr(self, "_offsets", None) is None or self._offsets.shape[1] != n_layers:
+            self._offsets = (np.arange(n_layers, dtype=np.int64) * n_experts)[None, :, None]
+        return self._offsets
+
+    def _perms_to(self, window: int) -> np.ndarray:
+        """Permutations of expert labels ``[windows, L, E]`` up to ``window``: each window trades the
+        popularity of ``drift`` of each layer's experts (picked by popularity) with random experts."""
+        if window < len(self._perms):
+            return self._arr
+        e = self.shape.n_experts
+        n_swap = max(1, round(self.routing.drift * e)) if self.routing.drift > 0 else 0
+        hot = self._start_hotness
+        while len(self._perms) <= window:
+            perm = self._perms[-1].copy()
+            for li in range(perm.shape[0]):
+                p = hot[li] if hot[li].sum() > 0 else None
+                # Pool experts to move, weighted by how often they are routed; partners uniform.
+                src = self._rng.choice(e, size=n_swap, replace=True, p=p)
+                dst = self._rng.integers(0, e, size=n_swap)
+                for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+                    perm[li, a], perm[li, b] = perm[li, b], perm[li, a]
+            self._perms.append(perm)
+        self._arr = np.stack(self._perms)
+        return self._arr
+
+    def drift_tv(self, windows: int = 8) -> float:
+        """Mean total-variation distance of hotness between consecutive windows (the drift it makes)."""
+        self._perms_to(windows)
+        shares = []
+        for w in range(windows + 1):
+            h = np.zeros_like(self._start_hotness)
+            for li in range(h.shape[0]):
+                h[li, self._perms[w][li]] = self._start_hotness[li]
+            shares.append(h)
+        return float(np.mean([0.5 * np.abs(b - a).sum(axis=1).mean() for a, b in zip(shares, shares[1:],
+                                                                                        strict=False)]))
+
+
+def tokens_of(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a request routes: its prompt, then every generated token but the last, fed back."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+

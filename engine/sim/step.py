@@ -1,0 +1,477 @@
+"""The step pricer: seconds of one engine step, from its layout, its expert plans and the profile.
+
+The simulator prices what the engine's mechanism does with a plan (``engine/model/decoder.py``,
+``engine/moe/experts.py``), operation by operation, and says here which operations overlap. A
+*host-only* profile (no accelerator: both tiers are host memory, as on a CPU machine) prices the CPU
+engine; a profile with a device prices the CUDA engine with the host as the slow tier.
+
+Per step::
+
+    step = step_overhead + token_overhead x T
+         + per decoder layer: layer_overhead + dense products (q/k/v, o, router or dense MLP, shared
+           expert) + attention (decode: one call over the decode batch; prefill: one per chunk)
+           + MoE (below) [+ moe_layer_overhead with the hybrid expert executor]
+         + the lm head over the sampled rows + copies the step's moves need
+
+Overlap rules (what runs at the same time as what):
+
+1. Everything on one processor runs in sequence: dense products, attention and experts of a layer,
+   layer after layer (the engine issues them from one Python thread).
+2. Micro-batches of a layer run one after the other; inside one, the rules below apply.
+3. Host-only: a micro-batch runs in one fused native call (``fused_max_tokens_per_expert``,
+   one precision, no fetch, no replica: the executor's ``_run_fused``) or expert by expert (the
+   grouped path: gathering and combining, then each expert's product, replicas one after the other,
+   a fetch or cache admission first builds its copy in host memory). Host experts on the grouped
+   path run with ``host_expert_threads``; everything else with ``runtime.threads``.
+4. With a device: resident experts run on the device, one after the other, at the speed
+   ``expert_sm_share`` of the SMs gives (``sm_scaling``); fetched experts are copied host -> device on
+   the copy engine while the resident ones compute, and computed after the last copy lands;
+   host experts run on the host's threads at the same time as all of that (their activations
+   cross the link both ways). A micro-batch takes the longer of the device and the host chains.
+   A replicated expert's copies run at the same time on their own streams: the longer split, or all
+   their weight bytes at memory bandwidth, whichever is more.
+5. Copies decided at a step's end (dynamic promotions and demotions, cache prefetches) queue on the
+   copy engine behind earlier ones and run during the next steps; a step takes at least as long as
+   the queue it starts with (its plans may run the experts being copied). Replica copies and cache
+   admissions are synchronous: they add to the step. On a host-only profile every copy takes host
+   time in the step that makes it (the copier thread shares the cores).
+6. Decode attention on the host (``decode_attention=host``): the step's q/k/v cross to the host and
+   the outputs back per layer; prompt chunks attend on the device after their KV crosses back.
+
+The KV cache's growth by doubling and the scheduler's own work are in the fitted overheads, not
+priced apart. Pure: numpy and the standard library.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.model.arch import ModelSpec
+from engine.moe.policy.controller import PlanSettings, StepPlan
+from engine.moe.policy.execution import CostModel
+from engine.moe.policy.plan import WHERE, LayerDecision, StepMoves
+from engine.precision import FLOAT_BYTES
+from engine.sequences import StepLayout
+from engine.sim import cost
+from engine.sim.profile import Profile
+
+FUSED_PRECISIONS = ("bf16", "fp16", "int8")
+"""Precisions the CPU engine's fused layer call reads (``engine.moe.experts.fused_moe``)."""
+
+
+@dataclass
+class Breakdown:
+    """Seconds a run spent, by part (summed over steps; parts that overlap are counted where they ran)."""
+
+    dense_s: float = 0.0
+    attention_s: float = 0.0
+    experts_fast_s: float = 0.0
+    experts_host_s: float = 0.0
+    copies_s: float = 0.0
+    overhead_s: float = 0.0
+    waits_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+@dataclass
+class _Layer:
+    """Priced parts of one MoE layer of one step."""
+
+    seconds: float = 0.0
+    fast: float = 0.0
+    host: float = 0.0
+    copies: float = 0.0
+    queued: float = 0.0  # background copies to the copy engine's queue
+
+
+@dataclass
+class StepPricer:
+    """Prices steps of one config on one profile (see the module docstring).
+
+    ``loaded``: precision the weights are kept in (dense products read it; host copies of experts are
+    in it); ``compute``: the activations' precision; ``native``: the CPU engine's native kernels run
+    (fp32 products of half-precision weights as stored); ``hybrid``: the hybrid expert executor runs
+    (a config that departs from the plain one).
+    """
+
+    profile: Profile
+    spec: ModelSpec
+    config: EngineConfig
+    settings: PlanSettings
+    loaded: str
+    compute: str
+    hi: str
+    lo: str | None
+    native: bool
+    hybrid: bool
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    backlog_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        p, spec, cfg = self.profile, self.spec, self.config
+        self.two_tier = p.device is not None
+        self.fast = p.fast
+        self.host = p.host
+        rt, x = cfg.runtime, cfg.execution
+        self.group = cfg.experts.int4_group_size
+        self.k_run = max(spec.top_k, cfg.routing.top_k_override)
+        self.n_layers = spec.n_layers
+        self.n_moe = len(spec.moe_layers)
+        self.n_dense = spec.n_layers - self.n_moe
+        t_max = max(cfg.scheduler.max_batch_tokens, 1)
+        self.t_max = t_max
+        self.slots_max = t_max * self.k_run
+        h, e = spec.hidden_size, spec.n_experts
+        f = self.fast
+        # Speeds: a host-only profile runs everything with runtime.threads; host experts on the grouped
+        # path with host_expert_threads; with a device, its experts at the SM share's speed.
+        self.fast_speed = 1.0 if self.two_tier else cost.thread_speed(self.host, rt.threads)
+        self.host_threads = x.host_expert_threads or rt.threads
+        self.host_speed = cost.thread_speed(self.host, self.host_threads)
+        self.expert_speed = cost.sm_speed(f, x.expert_sm_share) if self.two_tier else self.fast_speed
+        # Dense products of one decoder layer, the router, dense MLP layers, a shared expert, the lm head.
+        w, c = self.loaded, self.compute
+        mm = lambda n, k, prec=w: cost.matmul_lut(f, n, k, prec, c, t_max)  # noqa: E731
+        self.dense_lut = (mm(spec.q_size + 2 * spec.kv_size, h) + mm(h, spec.q_size)) / self.fast_speed
+        self.router_lut = mm(e, h, c) / self.fast_speed  # the router is kept in the compute precision
+        self.mlp_lut = ((mm(2 * spec.dense_intermediate, h) + mm(h, spec.dense_intermediate)) / self.fast_speed
+                        if self.n_dense else np.zeros(t_max + 1))
+        s = spec.shared_expert_intermediate
+        self.shared_lut = (mm(2 * s, h) + mm(h, s) + mm(1, h, c)) / self.fast_speed if s else np.zeros(t_max + 1)
+        self.lm_lut = cost.matmul_lut(f, spec.vocab_size, h, w, c, min(cfg.scheduler.max_batch_seqs, t_max)) \
+            / self.fast_speed
+        self._experts: dict[tuple[str, str, bool], np.ndarray] = {}
+        fused_ok = self.native and not self.two_tier and self.host.fused_max_tokens_per_expert > 0
+        self.fused_slots = self.host.fused_max_tokens_per_expert * e if fused_ok else -1
+        self.fused_call = (cost.moe_call_lut(f, h, c, t_max, fused=True) / self.fast_speed).tolist()
+        self.grouped_call = (cost.moe_call_lut(f, h, c, self.slots_max, fused=False)
+                             / (1.0 if self.two_tier else self.fast_speed)).tolist()
+        st = self.settings
+        i = spec.expert_intermediate
+        # Building an expert's copy: within host memory (host-only), or across the link.
+        self.bytes_hi, self.bytes_lo, self.bytes_host = st.bytes_hi, st.bytes_lo or 0, st.bytes_host
+        if self.two_tier:
+            link = p.link
+            assert link is not None
+            quant = {prec: (cost.build_copy_s(self.host, h, i, prec, st.bytes_host, self.group)
+                            if prec not in FLOAT_BYTES else 0.0) for prec in {self.hi, self.lo or self.hi}}
+            # A float copy crosses the link in the loaded precision; an integer one is quantised on the host first.
+            self.copy_hi = quant[self.hi] + cost.transfer_s(link, st.bytes_host if self.hi in FLOAT_BYTES
+                                                            else st.bytes_hi)
+            self.copy_lo = (quant[self.lo] + cost.transfer_s(link, st.bytes_host if self.lo in FLOAT_BYTES
+                                                             else self.bytes_lo)) if self.lo else 0.0
+            act = FLOAT_BYTES.get(c, 4) * h
+            self.act_d2h = lambda n: cost.transfer_s(link, n * act, "d2h")  # noqa: E731
+            self.act_h2d = lambda n: cost.transfer_s(link, n * act, "h2d")  # noqa: E731
+        else:
+            self.copy_hi = cost.build_copy_s(f, h, i, self.hi, st.bytes_host, self.group) / self.fast_speed
+            self.copy_lo = (cost.build_copy_s(f, h, i, self.lo, st.bytes_host, self.group) / self.fast_speed
+                            if self.lo else 0.0)
+        self.host_prec = self.loaded
+        self.plain_prec = self.hi if self.hybrid else self.loaded
+        self.precision_of = {"hi": self.hi, "lo": self.lo or self.hi, "host": self.loaded, "fetch": self.hi}
+        self.step_fixed = f.step_overhead_s
+        self.layer_fixed = f.layer_overhead_s * self.n_layers + (f.moe_layer_overhead_s * self.n_moe if self.hybrid
+                                                                 else 0.0)
+        self.attention_on_host = self.two_tier and x.decode_attention == "host"
+
+    # ------------------------------------------------------------------------------------- tables
+    def _lut(self, side: str, precision: str, fused: bool = False) -> np.ndarray:
+        """Seconds of one expert on ``side`` ("fast" or "host") in ``precision`` for 0..slots_max tokens,
+        at the speed that side runs experts with this config."""
+        key = (side, precision, fused)
+        if key not in self._experts:
+            proc = self.fast if side == "fast" else self.host
+            arr = cost.expert_lut(proc, self.spec.hidden_size, self.spec.expert_intermediate, precision, self.compute,
+                                  self.slots_max, fused=fused, group=self.group,
+                                  native=self.native or side == "fast" and self.two_tier)
+            speed = self.expert_speed if side == "fast" else self.host_speed
+            if not self.two_tier and fused:
+                speed = self.fast_speed  # the fused call runs on every runtime thread
+            self._experts[key] = arr / speed
+        return self._experts[key]
+
+    # ----------------------------------------------------------------------------------- one step
+    def price(self, layout: StepLayout, decisions: Sequence[LayerDecision], moves: StepMoves | None,
+              counts: np.ndarray | None = None) -> float:
+        """Seconds of one step (and its share of the breakdown); ``counts``: the step's routed tokens
+        per expert ``[L, E]`` (read when every plan is trivial)."""
+        b = self.breakdown
+        t = layout.n_tokens
+        sampled = len(layout.sampled)
+        dense = (self.n_layers * self.dense_lut[t] + self.n_moe * (self.router_lut[t] + self.shared_lut[t])
+                 + self.n_dense * self.mlp_lut[t] + self.lm_lut[min(sampled, len(self.lm_lut) - 1)])
+        attention, att_copies = self._attention(layout)
+        lay = _Layer()
+        if getattr(decisions, "trivial", False) or (decisions and all(d.trivial for d in decisions)):
+            if counts is None:
+                counts = np.stack([d.counts for d in decisions])
+            self._trivial_step(t, counts, lay)
+        elif self.two_tier and isinstance(decisions, StepPlan) and not decisions.splits:
+            self._step_plan(decisions, lay)
+        else:
+            for d in decisions:
+                if self.two_tier:
+                    self._layer(d, lay)
+                else:
+                    self._layer_host_only(d, lay)
+        move_s, move_queued = self._moves(moves) if moves is not None else (0.0, 0.0)
+        overhead = self.step_fixed + self.fast.token_overhead_s * t + self.layer_fixed
+        total = float(dense + attention + att_copies + lay.seconds + move_s + overhead)
+        wait = 0.0
+        if self.backlog_s > total:  # the plans of this step may run experts still being copied
+            wait = self.backlog_s - total
+            total = self.backlog_s
+        self.backlog_s = max(0.0, self.backlog_s - total) + lay.queued + move_queued
+        b.dense_s += float(dense)
+        b.attention_s += attention
+        b.experts_fast_s += lay.fast
+        b.experts_host_s += lay.host
+        b.copies_s += lay.copies + move_s + att_copies
+        b.overhead_s += overhead
+        b.waits_s += wait
+        return total
+
+    def _trivial_step(self, t: int, counts: np.ndarray, out: _Layer) -> None:
+        """Every MoE layer's plan trivial (all routed experts resident, one micro-batch): all layers at once."""
+        prec = self.plain_prec
+        n_layers = counts.shape[0]
+        if self.two_tier:
+            s = float(self._lut("fast", prec)[counts].sum()) + n_layers * self.grouped_call[
+                min(t * self.k_run, self.slots_max)]
+        else:
+            slots = t * (self.k_run if self.hybrid else self.spec.top_k)
+            if prec in FUSED_PRECISIONS and 0 <= slots <= self.fused_slots:
+                s = float(self._lut("fast", prec, fused=True)[counts].sum()) + n_layers * self.fused_call[t]
+            else:
+                s = float(self._lut("fast", prec)[counts].sum()) + n_layers * self.grouped_call[
+                    min(slots, self.slots_max)]
+        out.seconds += s
+        out.fast += s
+
+    def _attention(self, layout: StepLayout) -> tuple[float, float]:
+        """(attention seconds, their copies across the link) of one step, all layers."""
+        spec = self.spec
+        decode = [s for s in layout.segments if s.n_tokens == 1 and s.past_len > 0]
+        prefill = [s for s in layout.segments if not (s.n_tokens == 1 and s.past_len > 0)]
+        heads = (spec.n_heads, spec.n_kv_heads, spec.head_dim)
+        proc = self.host if self.attention_on_host else self.fast
+        speed = cost.thread_speed(self.host, self.config.runtime.threads) if self.attention_on_host \
+            else self.fast_speed
+        per_layer = 0.0
+        if decode:
+            mean_kv = sum(s.past_len + 1 for s in decode) / len(decode)
+            per_layer += cost.attention_decode_s(proc, len(decode), mean_kv, *heads, self.compute,
+                                                 mixed=bool(prefill)) / speed
+        for s in prefill:
+            per_layer += cost.attention_prefill_s(self.fast, s.n_tokens, s.past_len + s.n_tokens, *heads,
+                                                  self.compute) / self.fast_speed
+        copies = 0.0
+        if self.attention_on_host:
+            link = self.profile.link
+            assert link is not None
+            b = FLOAT_BYTES.get(self.compute, 4)
+            t = layout.n_tokens
+            # q/k/v of every token go to the host cache, outputs come back; chunks read their KV back.
+            copies = (cost.transfer_s(link, t * (spec.q_size + 2 * spec.kv_size) * b, "d2h", pinned=False)
+                      + cost.transfer_s(link, t * spec.q_size * b, "h2d", pinned=False)
+                      + sum(cost.transfer_s(link, 2 * (s.past_len + s.n_tokens) * spec.kv_size * b, "h2d",
+                                            pinned=False) for s in prefill))
+        return self.n_layers * per_layer, self.n_layers * copies
+
+    # ------------------------------------------------------------------------------ host-only MoE
+    def _layer_host_only(self, d: LayerDecision, out: _Layer) -> None:
+        if d.trivial:
+            self._trivial_step(d.n_tokens, d.counts[None, :], out)
+            return
+        part_fixed = self.fast.part_overhead_s
+        for part in d.parts:
+            a = part.arrays
+            rows = part.stop - part.start
+            slots = rows * self.k_run
+            n_by = np.bincount(a.where, minlength=4)  # runs per place: hi, lo, host, fetch
+            precs = {self.precision_of[w] for w, n in zip(WHERE, n_by.tolist(), strict=True) if n}
+            admits = len(part.admitted) * self.copy_hi
+            s = part_fixed + admits
+            out.copies += admits
+            if (0 <= slots <= self.fused_slots and len(precs) <= 1 and precs <= set(FUSED_PRECISIONS)
+                    and not a.splits and not n_by[3]):
+                e = float(self._lut("fast", precs.pop(), fused=True)[a.tokens].sum()) if precs else 0.0
+                s += self.fused_call[rows] + e
+                out.fast += e
+                out.seconds += s
+                continue
+            s += self.grouped_call[min(slots, self.slots_max)]
+            fast = host = 0.0
+            for code, where in enumerate(WHERE):
+                if not n_by[code]:
+                    continue
+                tok = a.tokens[a.where == code]
+                if where == "host":
+                    host += float(self._lut("host", self.host_prec)[tok].sum())
+                    continue
+                lut = self._lut("fast", self.precision_of[where])
+                fast += float(lut[tok].sum())
+                if where == "fetch":
+                    fast += n_by[code] * self.copy_hi
+                    out.copies += n_by[code] * self.copy_hi
+            for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
+                lut = self._lut("fast", self.precision_of[WHERE[int(a.where[np.searchsorted(a.experts, expert)])]])
+                fast += sum(lut[n] for n in split) - lut[sum(split)]
+            out.fast += fast
+            out.host += host
+            out.seconds += s + fast + host
+        if d.prefetch:  # the copier thread shares the cores
+            out.copies += len(d.prefetch) * self.copy_hi
+            out.seconds += len(d.prefetch) * self.copy_hi
+
+    # ------------------------------------------------------------------------------- two-tier MoE
+    def _layer(self, d: LayerDecision, out: _Layer) -> None:
+        if d.trivial:
+            self._trivial_step(d.n_tokens, d.counts[None, :], out)
+            return
+        part_fixed = self.fast.part_overhead_s
+        link = self.profile.link
+        assert link is not None
+        overlap = link.overlap
+        bw = self.fast.mem_bw_bytes_per_s * self.fast.bw_efficiency * self.expert_speed
+        for part in d.parts:
+            a = part.arrays
+            n_by = np.bincount(a.where, minlength=4)
+            resident = fetched = host = 0.0
+            for code, where in enumerate(WHERE):
+                if not n_by[code]:
+                    continue
+                tok = a.tokens[a.where == code]
+                if where == "host":
+                    host += float(self._lut("host", self.host_prec)[tok].sum())
+                    host += self.act_d2h(int(tok.sum())) + self.act_h2d(int(tok.sum()))
+                elif where == "fetch":
+                    fetched += float(self._lut("fast", self.hi)[tok].sum())
+                else:
+                    resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
+            for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
+                where = WHERE[int(a.where[np.searchsorted(a.experts, expert)])]
+                lut = self._lut("fast", self.precision_of[where])
+                nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
+                resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
+            fetch_copy = int(n_by[3]) * self.copy_hi
+            copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
+            device = max(resident, copies_done) + fetched + (1.0 - overlap) * min(resident, fetch_copy)
+            admits = len(part.admitted) * self.copy_hi  # synchronous: the part waits for them
+            out.seconds += part_fixed + admits + max(device, host) + self.grouped_call[
+                min((part.stop - part.start) * self.k_run, self.slots_max)]
+            out.fast += resident + fetched
+            out.host += host
+            out.copies += fetch_copy + admits
+        out.queued += len(d.prefetch) * self.copy_hi
+
+    def _step_plan(self, d: StepPlan, out: _Layer) -> None:
+        """:meth:`_layer` of every layer of a step planned at once (one micro-batch, a cache without
+        prefetch or none, no replicas), as arrays over layers: the same sums, the same overlap rules."""
+        counts, where = d.counts, d.where
+        link = self.profile.link
+        assert link is not None
+        hi_lut, host_lut = self._lut("fast", self.hi), self._lut("host", self.host_prec)
+        lo_lut = self._lut("fast", self.precision_of["lo"])
+        is_hi, is_lo, is_host, is_fetch = (where == 0), (where == 1), (where == 2), (where == 3)
+        resident = (hi_lut[counts] * is_hi).sum(1) + (lo_lut[counts] * is_lo).sum(1)  # [L]
+        fetched = (hi_lut[counts] * is_fetch).sum(1)
+        host_tokens = (counts * is_host).sum(1)
+        act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
+        crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
+                            + act / link.h2d_pinned_bytes_per_s, 0.0)
+        host = (host_lut[counts] * is_host).sum(1) + crossing
+        fetch_copy = is_fetch.sum(1) * self.copy_hi
+        copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
+        device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident, fetch_copy)
+        call = self.grouped_call[min(d.n_tokens * self.k_run, self.slots_max)]
+        admits = d.n_admitted * self.copy_hi if d.n_admitted is not None else 0.0  # synchronous, as in _layer
+        out.seconds += float((self.fast.part_overhead_s + admits + np.maximum(device, host) + call).sum())
+        out.fast += float((resident + fetched).sum())
+        out.host += float(host.sum())
+        out.copies += float(fetch_copy.sum() + np.sum(admits))
+
+    # ------------------------------------------------------------------------------------- moves
+    def _moves(self, moves: StepMoves) -> tuple[float, float]:
+        """(seconds the step takes for its moves, seconds queued on the copy engine)."""
+        if moves.empty:
+            return 0.0, 0.0
+        copies = 0.0
+        for m in (*moves.demotions, *moves.promotions):
+            if m.dst == "hi":
+                copies += self.copy_hi
+            elif m.dst == "lo":
+                copies += self.copy_lo
+        replicas = sum(c.replicas for c in moves.replicas) * self.copy_hi  # built when applied: synchronous
+        if self.two_tier:
+            return replicas, copies
+        return replicas + copies, 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in self.breakdown.as_dict().items() if math.isfinite(v)}
+
+
+def decision_costs(pricer: StepPricer) -> CostModel:
+    """The costs ``missing_expert="auto"`` decides by on this profile: host and fast-tier compute of one
+    expert at 1, 8 and 32 tokens as the pricer prices them, and the copy of one expert, as a
+    :class:`~engine.moe.policy.execution.CostModel` (what the live engine calibrates on its machine)."""
+    from engine.moe.policy.execution import LinkCost, fit_compute_cost
+
+    nbytes = pricer.bytes_host
+    grid = [n for n in (1, 8, 32) if n <= pricer.slots_max] or [1]
+    host = pricer._lut("host", pricer.host_prec)
+    fast = pricer._lut("fast", pricer.hi)
+    samples_host = [(n, nbytes, host[n]) for n in grid] + [(0, nbytes, 0.0)]
+    samples_fast = [(n, nbytes, fast[n]) for n in grid] + [(0, nbytes, 0.0)]
+    copy_s = max(pricer.copy_hi, 1e-12)
+    key = pricer.loaded
+    return CostModel(host={key: fit_compute_cost(samples_host)}, device={key: fit_compute_cost(samples_fast)},
+                     link=LinkCost(nbytes / copy_s, 0.0), default_precision=key)
+
+
+def memory_need(spec: ModelSpec, config: EngineConfig, settings: PlanSettings, loaded: str, compute: str,
+                profile: Profile) -> str | None:
+    """Why ``config`` does not fit the profile's memories (one line), or None: the fast tier holds the
+    dense weights, the resident experts (all of them under ``residency=all``, else the budget) and
+    replicas, the KV cache at full size (``max_batch_seqs`` x ``max_seq_len_tokens``, unless decode
+    attention keeps it on the host); with a device, the host holds every expert's host copy."""
+    s, r, x = config.scheduler, config.experts, config.execution
+    wb = FLOAT_BYTES.get(loaded, 4)
+    n_experts = spec.n_experts * len(spec.moe_layers)
+    dense_bytes = (spec.total_params() - spec.expert_params() * n_experts) * wb
+    loaded_experts = settings.bytes_host * n_experts  # the experts as loaded
+    kv = spec.kv_bytes_per_token(FLOAT_BYTES.get(compute, 4)) * s.max_batch_seqs * s.max_seq_len_tokens
+    two_tier = profile.device is not None
+    kv_on_fast = not (two_tier and x.decode_attention == "host")
+    # Fast-tier copies besides the loaded weights: every expert in hi (unless those are the loaded
+    # weights), else the budget; replicas take budget beside all-resident experts.
+    if r.residency == "all":
+        copies = (0 if settings.resident_as_loaded else settings.bytes_hi * n_experts) \
+            + (settings.budget_bytes if x.max_replicas else 0)
+    else:
+        copies = min(settings.budget_bytes, settings.bytes_hi * n_experts)
+    acts = s.max_batch_tokens * (16 * spec.hidden_size + 3 * spec.top_k * spec.expert_intermediate) * 4
+    # The loaded experts sit on the fast tier on a host-only profile, or with a device under residency=all.
+    on_fast = loaded_experts if (not two_tier or r.residency == "all") else 0
+    fast_need = dense_bytes + on_fast + copies + (kv if kv_on_fast else 0) + acts
+    fast = profile.fast
+    gib = 2**30
+    if fast_need > fast.mem_bytes:
+        return (f"the config needs {fast_need / gib:.1f} GiB on {fast.name} (dense weights {dense_bytes / gib:.1f}, "
+                f"experts {(on_fast + copies) / gib:.1f}, KV cache {kv / gib if kv_on_fast else 0:.1f}) of its "
+                f"{fast.mem_bytes / gib:.1f} GiB")
+    if two_tier:
+        host_need = (loaded_experts if r.residency != "all" else 0) + (0 if kv_on_fast else kv)
+        if host_need > profile.host.mem_bytes:
+            return (f"the config needs {host_need / gib:.1f} GiB of host memory on {profile.host.name} (host copies "
+                    f"of the experts, KV cache) of its {profile.host.mem_bytes / gib:.1f} GiB")
+    return None
