@@ -24,6 +24,7 @@ model, hardware or search space differs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import logging
@@ -168,6 +169,20 @@ def _room(trials: list[FrozenTrial], n_trials: int) -> tuple[int, int, list[Froz
     return n_trials - done - len(running), done, running
 
 
+def _adopt_silent(study: optuna.Study, running: list[FrozenTrial], grace_s: float, adopted: set[int]) -> None:
+    """A worker killed between creating its trial and its first heartbeat leaves a RUNNING trial with no
+    heartbeat, which Optuna never finds stale: the study would wait for it for ever. Each running trial
+    older than the grace period gets one heartbeat from here, once, so that it goes stale a grace period
+    later unless its own worker is alive and keeps beating."""
+    now = datetime.datetime.now()  # Optuna stores datetime_start as the local naive time
+    for t in running:
+        if t._trial_id in adopted or t.datetime_start is None:
+            continue
+        if (now - t.datetime_start).total_seconds() > grace_s:
+            study._storage.record_heartbeat(t._trial_id)
+            adopted.add(t._trial_id)
+
+
 def run_budgeted(study: optuna.Study, objective: Callable[[optuna.Trial], Any], n_trials: int, lock: StudyLock,
                  timeout_s: float | None = None,
                  on_trial: Callable[[optuna.Study, FrozenTrial, int], None] | None = None,
@@ -184,6 +199,7 @@ def run_budgeted(study: optuna.Study, objective: Callable[[optuna.Trial], Any], 
     ran = 0
     waiting_said: tuple[int, ...] | None = None
     grace = getattr(study._storage, "grace_period", None)
+    adopted: set[int] = set()
 
     def after(st: optuna.Study, frozen: FrozenTrial) -> None:
         if on_trial is not None:
@@ -218,6 +234,7 @@ def run_budgeted(study: optuna.Study, objective: Callable[[optuna.Trial], Any], 
                     f"{', '.join(map(str, numbers))} to finish or miss their heartbeat for the grace period "
                     f"({grace or 0:g} s) before ending the study")
                 waiting_said = numbers
+            _adopt_silent(study, running, grace or 0, adopted)
             optuna.storages.fail_stale_trials(study)
         finally:
             lock.release()

@@ -198,3 +198,27 @@ def test_the_run_that_ends_the_study_reaps_a_killed_last_trial(pg_server, kit, t
     from dashboard.data import study_names
 
     assert names[0] in study_names(url)
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_reaped_not_waited_for(tmp_path):
+    """A worker SIGKILLed between creating its trial and the trial's first heartbeat leaves a RUNNING trial
+    with no heartbeat, which Optuna alone never finds stale: the run that ends the study must still reap
+    it (this hung a full test run once) and retry it once."""
+    from db.session import upgrade
+    from tuner.study import open_storage
+    from tuner.worker import StudyLock, run_budgeted
+
+    url = f"sqlite:///{tmp_path / 'silent.db'}"
+    upgrade(url)
+    study = optuna.create_study(storage=open_storage(url, heartbeat_s=1), study_name="silent")
+    study.ask()  # RUNNING, never a heartbeat
+    said: list[str] = []
+    t0 = time.monotonic()
+    ran = run_budgeted(study, lambda trial: trial.suggest_float("x", 0, 1), 2, StudyLock(url, "silent"),
+                       timeout_s=60, say=said.append)
+    assert time.monotonic() - t0 < 30, "waited for the silent trial instead of reaping it"
+    trials = study.get_trials(deepcopy=False)
+    states = [t.state for t in trials]
+    assert ran == 2 and len(counted_trials(trials)) == 2
+    assert TrialState.RUNNING not in states and states.count(TrialState.FAIL) == 1
+    assert any("grace period" in line for line in said)
