@@ -213,20 +213,7 @@ def plan_run_arrays(counts: np.ndarray | Sequence[int], tiers: np.ndarray | Sequ
     code = np.asarray(tiers)[routed]
     where = _CODE_TO_WHERE[code]
     missing = code <= 0
-    if missing.any():
-        if mode == "fetch":
-            where[missing] = _FETCH
-        elif mode == "auto":
-            if cost is None:
-                raise ValueError("mode 'auto' needs a calibrated cost model")
-            n = tokens[missing].astype(np.float64)
-            h, d = cost._cost("host", None), cost._cost("device", None)
-            host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
-            fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
-                                                                                  + n * d.token_s_per_byte))
-            where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
-        elif mode != "host":
-            raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+    _place_missing(where, missing, tokens[missing], mode, cost, host_bytes)
     splits: tuple[tuple[int, tuple[int, ...]], ...] = ()
     rep = np.asarray(replicas)[routed]
     replicated = np.flatnonzero((~missing) & (rep > 0))
@@ -236,6 +223,27 @@ def plan_run_arrays(counts: np.ndarray | Sequence[int], tiers: np.ndarray | Sequ
     return RunArrays(routed.astype(np.int64), tokens, where, splits)
 
 
+def _place_missing(where: np.ndarray, missing: np.ndarray, tokens: np.ndarray, mode: Mode,
+                   cost: CostModel | None, host_bytes: int) -> None:
+    """Set ``where[missing]`` to host or fetch by ``mode``; ``tokens``: each missing expert's tokens.
+    ``auto`` compares the two costs elementwise, with the arithmetic of ``execution.decide``."""
+    if not missing.any():
+        return
+    if mode == "fetch":
+        where[missing] = _FETCH
+    elif mode == "auto":
+        if cost is None:
+            raise ValueError("mode 'auto' needs a calibrated cost model")
+        n = tokens.astype(np.float64)
+        h, d = cost._cost("host", None), cost._cost("device", None)
+        host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
+        fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
+                                                                              + n * d.token_s_per_byte))
+        where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
+    elif mode != "host":
+        raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+
+
 def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostModel | None,
                host_bytes: int) -> np.ndarray:
     """Where each routed expert of every layer runs: int8 ``[L, E]`` indices into :data:`WHERE` (-1 where
@@ -243,20 +251,7 @@ def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostMode
     c = np.asarray(counts)
     where = _CODE_TO_WHERE[np.asarray(tiers)].astype(np.int8)
     missing = (np.asarray(tiers) <= 0) & (c > 0)
-    if missing.any():
-        if mode == "fetch":
-            where[missing] = _FETCH
-        elif mode == "auto":
-            if cost is None:
-                raise ValueError("mode 'auto' needs a calibrated cost model")
-            n = c[missing].astype(np.float64)
-            h, d = cost._cost("host", None), cost._cost("device", None)
-            host_s = h.overhead_s + host_bytes * (h.weight_s_per_byte + n * h.token_s_per_byte)
-            fetch_s = cost.transfer_s(host_bytes) + (d.overhead_s + host_bytes * (d.weight_s_per_byte
-                                                                                  + n * d.token_s_per_byte))
-            where[missing] = np.where(fetch_s < host_s, _FETCH, _HOST)
-        elif mode != "host":
-            raise ValueError(f"mode must be 'host', 'fetch' or 'auto', got {mode!r}")
+    _place_missing(where, missing, c[missing], mode, cost, host_bytes)
     where[c <= 0] = -1
     return where
 
