@@ -103,15 +103,10 @@ class PlanSettings:
         return self.dynamic_max_swaps or max(1, self.n_experts // SWAP_SHARE_DEFAULT)
 
 
-class TrivialStep(Sequence[LayerDecision]):
-    """The trivial decisions of every MoE layer of one step (every routed expert resident, one
-    micro-batch), each built when read: ``counts`` ``[L, E]`` over ``n_tokens`` tokens."""
+class _LayerDecisions(Sequence[LayerDecision]):
+    """Every MoE layer's decision of one step, each built when read (``_layer``); ``counts`` ``[L, E]``."""
 
-    trivial = True
-
-    def __init__(self, counts: np.ndarray, n_tokens: int) -> None:
-        self.counts = counts
-        self.n_tokens = n_tokens
+    counts: np.ndarray
 
     def __len__(self) -> int:
         return int(self.counts.shape[0])
@@ -128,10 +123,27 @@ class TrivialStep(Sequence[LayerDecision]):
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         li = i % len(self)
+        return self._layer(li)
+
+    def _layer(self, li: int) -> LayerDecision:
+        raise NotImplementedError
+
+
+class TrivialStep(_LayerDecisions):
+    """The trivial decisions of every MoE layer of one step (every routed expert resident, one
+    micro-batch), each built when read: ``counts`` ``[L, E]`` over ``n_tokens`` tokens."""
+
+    trivial = True
+
+    def __init__(self, counts: np.ndarray, n_tokens: int) -> None:
+        self.counts = counts
+        self.n_tokens = n_tokens
+
+    def _layer(self, li: int) -> LayerDecision:
         return LayerDecision(li, self.counts[li], self.n_tokens)
 
 
-class StepPlan(Sequence[LayerDecision]):
+class StepPlan(_LayerDecisions):
     """The decisions of every MoE layer of one step planned at once (:meth:`ResidencyController.plan_step`):
     ``where`` ``[L, E]`` (an index into :data:`WHERE` per routed expert, -1 where not routed), ``splits``
     per layer of replicated runs; each :class:`LayerDecision` is built when read."""
@@ -146,21 +158,7 @@ class StepPlan(Sequence[LayerDecision]):
         self.n_admitted = cache.admitted.sum(1) if cache is not None else None
         """Experts each layer's cache took in ``[L]`` (None without a cache)."""
 
-    def __len__(self) -> int:
-        return int(self.counts.shape[0])
-
-    @overload
-    def __getitem__(self, i: int) -> LayerDecision: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[LayerDecision]: ...
-
-    def __getitem__(self, i: int | slice) -> LayerDecision | list[LayerDecision]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        li = i % len(self)
+    def _layer(self, li: int) -> LayerDecision:
         routed = np.flatnonzero(self.where[li] >= 0)
         arrays = RunArrays(routed.astype(np.int64), self.counts[li, routed].astype(np.int64),
                            self.where[li, routed].astype(np.int8), self.splits.get(li, ()))
