@@ -327,10 +327,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"plan {time.perf_counter() - t0:6.1f}s  {msg}", file=sys.stderr, flush=True)
 
-    rows = plan(args.model, profiles, workload, base, max_requests=args.max_requests or None, progress=progress)
+    from tuner.slo import DEFAULT_SLO, SloError, parse_slo
+
+    try:
+        slo = parse_slo(args.slo) if args.slo else parse_slo(
+            data={k: v for k, v in DEFAULT_SLO.items() if not k.startswith("quality")})
+    except SloError as e:
+        raise ConfigError(str(e)) from None
+    if slo.attainment_target is None:
+        raise ConfigError(f"--slo {' '.join(args.slo)}: capacity needs a per-request latency bound "
+                          "(ttft_p99_ms, tpot_p99_ms or e2e_p99_ms)")
+    rows = plan(args.model, profiles, workload, base, max_requests=args.max_requests or None, progress=progress,
+                slo=slo)
     n = min(len(workload.requests), args.max_requests or len(workload.requests))
-    print(f"model {args.model}; workload {workload.name} ({n} requests); default SLO (p99 TTFT 1000 ms, p99 TPOT "
-          f"100 ms, attainment 90 %); simulated, {time.perf_counter() - t0:.1f} s")
+    bounds = ", ".join(f"{k}={v:g}" for k, v in slo.bounds.items())
+    print(f"model {args.model}; workload {workload.name} ({n} requests); SLO {bounds}, attainment "
+          f"{100 * slo.attainment_target:.0f} %; simulated, {time.perf_counter() - t0:.1f} s")
     for prof in profiles:
         mine = [r for r in rows if r["profile"] == prof.name]
         print(f"\n{prof.name}: {prof.fast.name} + {prof.host.name} (calibrated: {str(prof.calibrated).lower()})")
@@ -493,7 +505,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         _warn_if_tuned_elsewhere(args.config, args.model)
     res = run_bench_serve(args.model, _engine_config(args), args.workload, mode=args.mode, rate_scale=args.rate_scale,
                           max_requests=args.max_requests or None, repeats=args.repeats,
-                          inprocess_thread=args.inprocess_thread, client_nice=args.client_nice,
+                          warmup_rounds=args.warmup_rounds, inprocess_thread=args.inprocess_thread, client_nice=args.client_nice,
                           server_args=["--http-thread-nice", str(args.http_thread_nice)]
                           if args.http_thread_nice is not None else None)
     print(format_bench(res))
@@ -638,6 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--rate-scale", type=float, default=1.0, help="divide arrival times by this")
     bs.add_argument("--max-requests", type=int, default=20, help="replay the first N requests (0 = all)")
     bs.add_argument("--repeats", type=int, default=3, help="interleaved rounds of (served, in process)")
+    bs.add_argument("--warmup-rounds", type=int, default=1,
+                    help="whole rounds of each run first and not counted (a fresh process is slower at first)")
     bs.add_argument("--inprocess-thread", choices=["worker", "main"], default="worker",
                     help="run the in-process replay on a worker thread (as the server's engine loop) or the main "
                     "thread (as `engine run`)")
@@ -675,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a profile (repeat): a file from `engine calibrate` or builtin:<name>")
     pl.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload path or builtin:<name>")
     pl.add_argument("--max-requests", type=int, default=0, help="replay the first N requests (0 = all)")
+    pl.add_argument("--slo", action="append", metavar="NAME=VALUE|FILE",
+                    help="the capacity column's SLO bound (repeat), as `tuner run --slo` (default: the tuner's "
+                         "latency bounds)")
     pl.add_argument("--quiet", action="store_true")
     model_args(pl)
     pl.set_defaults(fn=cmd_plan)

@@ -22,6 +22,9 @@ from typing import Any, Literal, get_args, get_origin
 
 from engine.precision import INT4_GROUP_SIZES
 
+_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+_COMPUTE_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message is one line naming the key and the value."""
@@ -182,7 +185,8 @@ class ResidencyConfig:
         search=Search(choices=("auto", "int8", "int4")))
     lo_precision: Literal["none", "bf16", "fp16", "int8", "int4"] = knob(
         "none", "Precision of a low-precision fallback copy kept resident where the budget allows (DynaExq).",
-        search=Search(choices=("none", "int8", "int4")), when=_HOT)
+        search=Search(choices=("none", "int8", "int4")),
+        when={**_HOT, "hi_precision": ("auto", "fp32", "bf16", "fp16", "int8")})  # no copy narrower than int4
     int4_group_size: int = knob(
         128, "Group size (input channels per scale) of int4 weights, a power of two; must divide hidden and "
         "expert widths.", min=INT4_GROUP_SIZES[0], max=INT4_GROUP_SIZES[-1],
@@ -482,6 +486,11 @@ class EngineConfig:
                                   "weights must be >= 0 with a positive sum")
         if r.lo_precision != "none" and r.hi_precision == r.lo_precision:
             raise ConfigError(f"{source}: experts.lo_precision={r.lo_precision!r} equals hi_precision")
+        # "auto" resident experts are in the compute dtype (16 or 32 bits; unknown before load when that is auto).
+        hi_bits = _BITS.get(r.hi_precision, _BITS.get(_COMPUTE_PRECISION.get(self.runtime.compute_dtype, ""), 32))
+        if r.lo_precision != "none" and _BITS[r.lo_precision] >= hi_bits:
+            raise ConfigError(f"{source}: experts.lo_precision={r.lo_precision!r} is not narrower than "
+                              f"experts.hi_precision={r.hi_precision!r}: the fallback copy must take fewer bytes")
         p = self.parallel
         if p.ep_size > 1:
             hybrid = [k for k in departures_from_plain(self) if not k.startswith("routing.")]

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,6 +80,12 @@ def weights_key(config: EngineConfig) -> tuple[str, str, str]:
     return rt.device, rt.compute_dtype, rt.cpu_kernels
 
 
+#: Decoders of other weight layouts an engine keeps for reconfigure (CPU only), and the share of the
+#: memory available at the time that they may take together.
+MAX_SPARE_MODELS = 2
+SPARE_MEMORY_SHARE = 0.25
+
+
 def fast_tier_bytes(device: torch.device) -> int:
     """Memory of the fast tier: the GPU's, or host memory on a machine without one."""
     if device.type == "cuda":
@@ -95,8 +102,11 @@ class Engine:
     to replay the decisions of another machine's profile.
     """
 
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, cost_model=None):
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, cost_model=None, *,
+                 spare_models: dict[tuple[Any, ...], MoEDecoder] | None = None):
         self.config = config or EngineConfig()
+        # Decoders of other weight layouts this engine loaded before, kept while memory allows (reconfigure).
+        self._spare_models: dict[tuple[Any, ...], MoEDecoder] = spare_models if spare_models is not None else {}
         self.config.validate()
         rt = self.config.runtime
         self.ep_driver = None
@@ -118,8 +128,9 @@ class Engine:
         if n_ranks > 1:
             self._start_ranks(n_ranks)  # the other ranks load their part while this one loads its own
         try:
-            self.model = MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device, self.weight_dtype,
-                                    load_experts=n_ranks == 1)
+            spare = self._spare_models.pop(self._layout_key(), None) if n_ranks == 1 else None
+            self.model = spare or MoEDecoder(self.ckpt, self.dtype, self.device, self.expert_device,
+                                             self.weight_dtype, load_experts=n_ranks == 1)
             if n_ranks > 1:
                 from engine.parallel.ep import EPExperts
 
@@ -215,7 +226,8 @@ class Engine:
                 self.cost_model = expert_cost_model(self.spec, self.dtype, self.device)  # cached per machine
             cost = self.cost_model
         hybrid = HybridExperts(self.spec, self.config, {i: lw.w13 for i, lw in moe.items()},
-                               {i: lw.w2 for i, lw in moe.items()}, self.device, self.dtype, cost, settings)
+                               {i: lw.w2 for i, lw in moe.items()}, self.device, self.dtype, cost, settings,
+                               versions=self._version_cache())
         hybrid.plan(self.hotness)
         self.model.hybrid = hybrid
 
@@ -268,17 +280,69 @@ class Engine:
     def free_slots(self) -> list[int]:
         return self.seqs.free_slots
 
+    def _version_cache(self):
+        """The quantized expert versions kept with this decoder's weights (engine.moe.experts.VersionCache)."""
+        from engine.moe.experts import VersionCache
+
+        cache = self.model.version_cache
+        if cache is None:
+            import psutil
+
+            cache = VersionCache(int(SPARE_MEMORY_SHARE * psutil.virtual_memory().available))
+            self.model.version_cache = cache
+        return cache
+
+    def _layout_key(self) -> tuple[Any, ...]:
+        return (str(self.device), str(self.expert_device), self.dtype, self.weight_dtype)
+
+    def _keep_spare(self) -> None:
+        """Keep the current decoder for a later reconfigure back to its layout (a tuner alternates
+        between a few), while all kept weights stay under :data:`SPARE_MEMORY_SHARE` of the memory
+        available now and at most :data:`MAX_SPARE_MODELS` are kept (the oldest goes first)."""
+        if self.model.ep is not None or self.device.type != "cpu":
+            return  # ranks hold the experts; device memory is the scarce thing a tuner measures
+        import psutil
+
+        self._spare_models.pop(self._layout_key(), None)
+        self._spare_models[self._layout_key()] = self.model
+        while len(self._spare_models) > MAX_SPARE_MODELS:
+            self._spare_models.pop(next(iter(self._spare_models)))
+        budget = SPARE_MEMORY_SHARE * psutil.virtual_memory().available
+        def kept(m: MoEDecoder) -> int:
+            return m.weight_bytes() + (m.version_cache.bytes if m.version_cache is not None else 0)
+
+        while self._spare_models and sum(kept(m) for m in self._spare_models.values()) > budget:
+            self._spare_models.pop(next(iter(self._spare_models)))
+
+    def loads_same_weights(self, config: EngineConfig) -> bool:
+        """Whether ``config`` would load the weights this engine holds: the same device, compute dtype and
+        weight dtype once resolved (``compute_dtype`` ``auto`` and ``float32`` are one on a CPU without native
+        bf16 products, for instance), so that switching between such spellings reloads nothing."""
+        if weights_key(config) == weights_key(self.config):
+            return True
+        rt = config.runtime
+        try:
+            device = pick_device(rt.device)
+            dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, device, self.spec.hidden_size,
+                               self.spec.expert_intermediate)
+            weight_dtype = pick_weight_dtype(rt.cpu_kernels, dtype, self.ckpt.dtype, device)
+        except ConfigError:
+            return False  # the reload says why
+        return (device, dtype, weight_dtype) == (self.device, self.dtype, self.weight_dtype)
+
     def reconfigure(self, config: EngineConfig) -> float:
         """Apply a new config without reloading weights when only runtime knobs change; returns seconds."""
         t = time.perf_counter()
         old = self.config
         config.validate()
         config.validate_for(self.spec, fast_tier_bytes(self.device))
-        if (weights_key(config) != weights_key(old) or self._expert_device(config) != self.expert_device
+        if (not self.loads_same_weights(config) or self._expert_device(config) != self.expert_device
                 or config.parallel != old.parallel):
             hotness, cost = self.hotness, self._given_cost
             self.close()  # the hybrid executor's threads and the expert-parallel ranks go with the old weights
-            self.__init__(self.model_path, config, cost)  # a different device or precision needs the weights again
+            self._keep_spare()
+            # A different device or precision needs the weights again, unless a spare has them.
+            self.__init__(self.model_path, config, cost, spare_models=self._spare_models)
             if hotness is not None:
                 self.set_hotness(hotness)
             return time.perf_counter() - t

@@ -154,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile = options.get("profile")
     hw = hardware() if profile is None else profile.hardware()
     sw = {**software(), "optuna": optuna.__version__}
-    space = build_space(hw, fixed=fixed, base=base)
+    space = build_space(hw, fixed=fixed, base=base, widths=model_widths(args.model))
     if not space.params:
         raise ConfigError("nothing to search: every searchable knob is pinned or inert here")
     name = full_study_name(args.study or default_study_name(args.model, args.workload), space.space_hash())
@@ -443,6 +443,18 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from tuner.worker import cmd_worker
 
     return cmd_worker(args)
+
+
+def model_widths(model: str) -> tuple[int, ...]:
+    """The hidden size and expert width of ``model`` from its config alone (empty if it cannot be read:
+    loading the model says why)."""
+    from engine.backend_sim import resolve_sim_model
+
+    try:
+        spec = resolve_sim_model(model)[0]
+    except Exception:  # noqa: BLE001 - the model's own load reports the problem with its file and field
+        return ()
+    return (spec.hidden_size, spec.expert_intermediate)
 
 
 def build_parser() -> argparse.ArgumentParser:

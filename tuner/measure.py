@@ -42,8 +42,12 @@ log = logging.getLogger(__name__)
 CAPACITY = "capacity_rps"
 #: The shortest prefix a measurement replays: below this a 90 % attainment target is all or nothing.
 MIN_REQUESTS = 8
-#: Requests replayed (offline, unrecorded) after a change of weights or expert path, before measuring.
+#: Requests replayed (offline, unrecorded) after a change of weights or expert path, before measuring,
+#: each cut to :data:`WARM_UP_NEW_TOKENS` new tokens: a prefill and a few decode steps reach every first-use
+#: cost (allocator, kernel selection, a new weight layout); decoding the whole answer was most of a
+#: trial's overhead on a slow config (1.0-1.9 s of 2 s here).
 WARM_UP_REQUESTS = 1
+WARM_UP_NEW_TOKENS = 4
 #: The shortest arrival span a capacity probe replays: faster than this the prefix is one burst, and a
 #: config that absorbs it has a capacity beyond what the workload can show.
 MIN_SPAN_S = 0.25
@@ -196,7 +200,10 @@ class Measurer:
             self.backend.reconfigure(config)  # holds no tensors a crash could leave behind: no reload
         reconfigure_s = time.perf_counter() - t
         warm_up_s = 0.0
-        key = (*weights_key(config), is_plain(config), config.experts.hi_precision, config.experts.lo_precision)
+        engine = getattr(self.backend, "engine", None)  # the weights as loaded, however the config spells them
+        loaded = (str(engine.device), engine.dtype, engine.weight_dtype) if isinstance(engine, Engine) \
+            else weights_key(config)
+        key = (*loaded, is_plain(config), config.experts.hi_precision, config.experts.lo_precision)
         if key != self._warm_key:
             t = time.perf_counter()
             self.warm_up(WARM_UP_REQUESTS)
@@ -208,7 +215,7 @@ class Measurer:
         """Replay the first requests offline, unrecorded, so first-use costs (allocator, kernel
         selection, a new weight layout) are not measured; returns seconds."""
         t = time.perf_counter()
-        run_workload(self.backend, self.workload, mode="offline", max_requests=n_requests)
+        run_workload(self.backend, warm_up_workload(self.workload, n_requests), mode="offline")
         return time.perf_counter() - t
 
     # ------------------------------------------------------------------------------ measuring
@@ -315,6 +322,18 @@ class Measurer:
         decision = sw.decision if sw is not None else None
         return Replay(rate_scale, rate_scale * base if base else None, n, result, slo_result, summary, met,
                       decision, sw.reason if sw is not None else "")
+
+
+def warm_up_workload(workload: Any, n_requests: int, new_tokens: int = WARM_UP_NEW_TOKENS) -> Any:
+    """The first ``n_requests`` of ``workload`` with at most ``new_tokens`` new tokens each (prompts and
+    their router trace kept, cut to the tokens that run)."""
+    requests = [dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, new_tokens))
+                for r in list(workload.requests)[:n_requests]]
+    short = workload.with_requests(requests, name=f"{workload.name}-warm-up")
+    if short.router_trace is None:
+        return short
+    cut = {r.request_id: r.prompt_len + r.max_new_tokens for r in requests}
+    return short.with_router_trace(short.router_trace.subset([r.request_id for r in requests], cut))
 
 
 #: Config areas whose knobs never change a teacher-forced forward pass: configs differing only there

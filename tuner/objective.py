@@ -39,7 +39,7 @@ import torch
 
 from db.store import stable_hash
 from engine.config import ConfigError, EngineConfig, merge_flat
-from engine.runtime import Engine, pick_dtype, weights_key
+from engine.runtime import Engine, pick_dtype
 from tuner.capacity import REL_TOL
 from tuner.feasibility import estimate_memory, memory_problem
 from tuner.measure import Measurement, Measurer, QualityCheck, quality_key
@@ -296,7 +296,7 @@ class Objective:
             return None  # fit its profile is refused at reconfigure (ConfigError: infeasible)
         e = self.engine
         rt = config.runtime
-        same_weights = weights_key(config) == weights_key(e.config)
+        same_weights = e.loads_same_weights(config)
         if same_weights:
             dtype, weight_dtype = e.dtype, e.weight_dtype
         else:

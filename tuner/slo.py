@@ -80,10 +80,14 @@ def latency_bound(name: str) -> bool:
 ALIASES = {"throughput_min": "output_tokens_per_s_min",
            **{old: new for old, new in LEGACY.items() if new in SLO_METRICS}}
 
-#: The SLO of ``tuner run`` without ``--slo``: interactive chat, a first token within 2 s and then 5
-#: tokens/s or faster (about reading speed), and next tokens agreeing with the full-precision model at
-#: 90 % of positions (bit-widths and routing cuts trade quality for speed).
-DEFAULT_SLO = {"ttft_p99_ms": 2000.0, "tpot_p99_ms": 200.0, "quality_min": 0.9}
+#: The SLO of ``tuner run`` without ``--slo``: interactive chat, a first token within 1 s and then 10
+#: tokens/s or faster (MLPerf Inference's server scenario asks 2 s and 200 ms of Llama-2-70B, its
+#: interactive one 450 ms and 40 ms), and next tokens agreeing with the full-precision model at 90 % of
+#: positions (bit-widths and routing cuts trade quality for speed). At 2 s and 200 ms every config met
+#: the built-in ``quick`` workload even as one burst on an idle 2-core CPU, so all tied at the capacity
+#: search's ceiling; at 1 s and 100 ms the defaults reach 16-19 req/s there, llama.cpp-like 7 and
+#: hf-static-like 0.
+DEFAULT_SLO = {"ttft_p99_ms": 1000.0, "tpot_p99_ms": 100.0, "quality_min": 0.9}
 
 
 @dataclass(frozen=True)

@@ -288,13 +288,16 @@ def build_space(
     inert: Mapping[str, str] | None = None,
     conditions: tuple[Condition, ...] | None = None,
     registry: list[KnobInfo] | None = None,
+    widths: tuple[int, ...] = (),
 ) -> SearchSpace:
     """The search space for this machine: every knob with a search range, less pinned and inert ones.
 
     ``fixed`` pins knobs; ``base`` (default: the engine defaults) gives the values of knobs not
     searched, which decide conditions on them. ``inert`` defaults to :func:`inert_knobs` of
     ``hardware``; ``conditions`` adds to the registry's own (default :data:`CONDITIONS`);
-    ``registry`` defaults to ``engine.config.knobs()`` (tests pass their own).
+    ``registry`` defaults to ``engine.config.knobs()`` (tests pass their own). ``widths`` (the model's
+    hidden size and expert width) keeps only the int4 group sizes that divide them: a size that does
+    not is a config the engine refuses, a trial spent for nothing.
     """
     fixed = dict(fixed or {})
     inert = dict(inert_knobs(hardware) if inert is None else inert)
@@ -343,6 +346,14 @@ def build_space(
             if k.name.endswith("_threads") and k.search is not None and k.search.high is not None:
                 candidates[key] = dataclasses.replace(
                     k, search=dataclasses.replace(k.search, high=min(k.search.high, cores)))
+    group = candidates.get("experts.int4_group_size")
+    if widths and group is not None and group.search is not None and group.search.choices is not None:
+        fits = tuple(g for g in group.search.choices if all(w % g == 0 for w in widths))
+        if fits:
+            candidates[group.key] = dataclasses.replace(group, search=dataclasses.replace(group.search, choices=fits))
+        else:
+            omitted[group.key] = f"no int4 group size divides the model's widths {list(widths)}"
+            del candidates[group.key]
     gpus = int((hardware.get("gpu") or {}).get("count") or 0)
     ep = candidates.get("parallel.ep_size")
     if ep is not None and ep.search is not None and ep.search.choices is not None:

@@ -172,6 +172,7 @@ class MoEDecoder:
         self.expert_device = expert_device or device
         self.stats = MoEStats()  # tokens routed per expert, counted once per step and MoE layer
         self.hybrid = None  # engine.moe.experts.HybridExperts when the config is not the plain one
+        self.version_cache = None  # engine.moe.experts.VersionCache: int8/int4 experts built from these weights
         # engine.parallel.ep.EPExperts under expert parallelism: this rank's experts (then the routed
         # experts are not loaded here, ``load_experts=False``), dispatch and combine.
         self.ep = None

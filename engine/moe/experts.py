@@ -108,6 +108,30 @@ def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: to
     return ExpertVersion(qa, qb, precision, device, qa.nbytes() + qb.nbytes())
 
 
+class VersionCache:
+    """Quantized expert versions (int8, int4) built from one loaded decoder's weights, kept for the
+    executors that a reconfigure builds later on the same weights: a tuner trying int8 or int4 experts
+    quantizes each expert once per study, not once per trial and re-plan (5 s of a 10 s trial overhead
+    here). Versions are immutable once built. Holds at most ``max_bytes`` (set from the memory available
+    when the decoder loads); beyond that new versions are built and not kept."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._kept: dict[tuple[Any, ...], ExpertVersion] = {}
+
+    def get(self, key: tuple[Any, ...]) -> ExpertVersion | None:
+        return self._kept.get(key)
+
+    def put(self, key: tuple[Any, ...], version: ExpertVersion) -> None:
+        if key not in self._kept and self.bytes + version.nbytes <= self.max_bytes:
+            self._kept[key] = version
+            self.bytes += version.nbytes
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
 class ExpertHandle:
     """Stable reference to an expert; ``fast`` and ``replicas`` are replaced whole, never mutated."""
 
@@ -215,8 +239,9 @@ class HybridExperts:
 
     def __init__(self, spec: ModelSpec, config: EngineConfig, w13: dict[int, torch.Tensor],
                  w2: dict[int, torch.Tensor], device: torch.device, compute_dtype: torch.dtype,
-                 cost: CostModel | None, settings: PlanSettings):
+                 cost: CostModel | None, settings: PlanSettings, versions: VersionCache | None = None):
         self.spec, self.config, self.device, self.dtype, self.cost = spec, config, device, compute_dtype, cost
+        self.versions = versions
         self.settings = settings
         # The weights as loaded: the compute dtype, or bf16/fp16 that the native CPU kernels read as is.
         loaded = precision_of(next(iter(w13.values())).dtype)
@@ -294,7 +319,14 @@ class HybridExperts:
                 v = make_version(host.w13, host.w2, precision, self.device, self.group)
             self.copy_stream.synchronize()
             return v
-        return make_version(host.w13, host.w2, precision, self.device, self.group, native=self.native)
+        if self.versions is None or precision in FLOAT_PRECISIONS or self.device.type != "cpu":
+            return make_version(host.w13, host.w2, precision, self.device, self.group, native=self.native)
+        key = (layer, expert, precision, self.group, self.native)
+        v = self.versions.get(key)
+        if v is None:
+            v = make_version(host.w13, host.w2, precision, self.device, self.group, native=self.native)
+            self.versions.put(key, v)
+        return v
 
     def _wait(self, layer: int, expert: int) -> None:
         """Wait for the background copy of (layer, expert), if one is queued."""

@@ -13,14 +13,20 @@ in process first in odd ones, so drift on a shared machine falls on both):
 Both measure with ``engine.results`` (the replay's request timelines are client-side). The client runs
 on its own thread at ``client_nice`` (default 10) above the server's priority: a client on another
 machine would take none of the server's CPU, and on a small shared CPU it otherwise would. The overhead is
-the served median-of-rounds p50 TPOT over the in-process one, and the difference of p50 TTFTs.
+the served median-of-rounds p50 TPOT over the in-process one, and the difference of p50 TTFTs, each with
+an interval over the rounds (``tuner.stats``: min-max under 5 rounds, a bootstrap from 5), so a figure
+within the round-to-round spread reads as such. ``warmup_rounds`` whole rounds of each (default 1) run
+first and are not counted: the first minute of a fresh process is slower on both sides (allocator,
+kernel caches, CPU frequency), which a two-request warm-up did not cover.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -91,6 +97,23 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _diff_interval(a: list[float | None], b: list[float | None]) -> list[Any] | None:
+    """An interval of ``median(a) - median(b)``: min-max of the pairwise differences under
+    :data:`~tuner.stats.BOOTSTRAP_MIN` rounds, else a seeded bootstrap of the two medians."""
+    from tuner.stats import BOOTSTRAP_MIN, BOOTSTRAP_SAMPLES
+    xs = [v for v in a if v is not None]
+    ys = [v for v in b if v is not None]
+    if not xs or not ys:
+        return None
+    if min(len(xs), len(ys)) < BOOTSTRAP_MIN:
+        return [min(xs) - max(ys), max(xs) - min(ys), "min-max"]
+    rng = random.Random(0)
+    diffs = sorted(statistics.median(rng.choices(xs, k=len(xs))) - statistics.median(rng.choices(ys, k=len(ys)))
+                   for _ in range(BOOTSTRAP_SAMPLES))
+    return [diffs[int(0.025 * (BOOTSTRAP_SAMPLES - 1))], diffs[int(math.ceil(0.975 * (BOOTSTRAP_SAMPLES - 1)))],
+            "bootstrap 95%"]
+
+
 def _on_worker_thread(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on a fresh thread (as the server's engine loop runs), re-raising its error."""
     out: dict[str, Any] = {}
@@ -117,17 +140,20 @@ def _niced(nice: int, fn, *args, **kwargs):
 
 
 def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "realtime", rate_scale: float = 1.0,
-                    max_requests: int | None = None, repeats: int = 3,
+                    max_requests: int | None = None, repeats: int = 3, warmup_rounds: int = 1,
                     inprocess_thread: str = "worker", client_nice: int = 10,
                     server_args: list[str] | None = None) -> dict[str, Any]:
     """Interleaved rounds of (served, in process) on ``workload_spec``; rows, medians and overheads."""
     from engine.runner import run_workload
     from engine.runtime import Engine
+    from tuner.stats import gain_interval
     from workloads.replay import ReplayOptions, replay
     from workloads.schema import load_workload
 
     if repeats < 1:
         raise ValueError(f"--repeats {repeats}: must be at least 1")
+    if warmup_rounds < 0:
+        raise ValueError(f"--warmup-rounds {warmup_rounds}: must be 0 or more")
     workload = load_workload(workload_spec)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path = str(Path(tmp) / "config.json")
@@ -140,7 +166,7 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
             replay(url, workload, options=ReplayOptions(mode="offline", max_requests=2))
             run_workload(engine, workload, mode="offline", max_requests=2)
             rows = []
-            for rnd in range(repeats):
+            for rnd in range(-warmup_rounds, repeats):
                 order = ("served", "inprocess") if rnd % 2 == 0 else ("inprocess", "served")
                 for how in order:
                     if how == "served":
@@ -149,8 +175,10 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
                         run = _on_worker_thread if inprocess_thread == "worker" else (lambda f, *a, **k: f(*a, **k))
                         res = run(run_workload, engine, workload, mode=mode, rate_scale=rate_scale,
                                   max_requests=max_requests)
-                    rows.append(_row(how, rnd, res.summary()))
-                    log.info("round %d %s: %s", rnd, how, rows[-1])
+                    row = _row(how, rnd, res.summary())
+                    log.info("round %d %s%s: %s", rnd, how, " (warm-up)" if rnd < 0 else "", row)
+                    if rnd >= 0:
+                        rows.append(row)
         finally:
             stop_server(proc)
     served = [r for r in rows if r["how"] == "served"]
@@ -160,14 +188,20 @@ def run_bench_serve(model: str, config, workload_spec: str, *, mode: str = "real
     s_ttft, i_ttft = med["served"]["ttft_p50_ms"], med["inprocess"]["ttft_p50_ms"]
     tpot_pct = (s_tpot / i_tpot - 1) * 100 if s_tpot and i_tpot else None
     ttft_ms = s_ttft - i_ttft if s_ttft is not None and i_ttft is not None else None
+    tpot_ratio = gain_interval([r["tpot_p50_ms"] for r in served], [r["tpot_p50_ms"] for r in inproc])
+    ttft_diff = _diff_interval([r["ttft_p50_ms"] for r in served], [r["ttft_p50_ms"] for r in inproc])
     same_tokens = all((a["requests_done"], a["prompt_tokens"], a["output_tokens"])
                       == (b["requests_done"], b["prompt_tokens"], b["output_tokens"]) for a, b in zip(served, inproc, strict=True))
     from engine.hwinfo import hardware
 
     return {"model": model, "config_hash": config.config_hash(), "workload": workload.name, "mode": mode,
             "inprocess_thread": inprocess_thread, "client_nice": client_nice, "server_args": server_args or [],
-            "rate_scale": rate_scale, "max_requests": max_requests, "repeats": repeats, "rows": rows,
+            "rate_scale": rate_scale, "max_requests": max_requests, "repeats": repeats,
+            "warmup_rounds": warmup_rounds, "rows": rows,
             "median": med, "tpot_p50_overhead_pct": tpot_pct, "ttft_p50_overhead_ms": ttft_ms,
+            "tpot_p50_overhead_pct_interval": None if tpot_ratio is None else
+            [(tpot_ratio.lo - 1) * 100, (tpot_ratio.hi - 1) * 100, tpot_ratio.method],
+            "ttft_p50_overhead_ms_interval": ttft_diff,
             "targets": {"tpot_p50_overhead_pct": TPOT_TARGET_PCT, "ttft_p50_overhead_ms": TTFT_TARGET_MS},
             "met": {"tpot": tpot_pct is not None and tpot_pct <= TPOT_TARGET_PCT,
                     "ttft": ttft_ms is not None and ttft_ms <= TTFT_TARGET_MS},
@@ -184,7 +218,12 @@ def format_bench(res: dict[str, Any]) -> str:
     table = _table(res["rows"], ["how", "round", *METRICS, "output_tokens"], fmt)
     med = [{"how": how, **vals} for how, vals in res["median"].items()]
     tpot, ttft = res["tpot_p50_overhead_pct"], res["ttft_p50_overhead_ms"]
-    tail = (f"HTTP overhead (medians of rounds): p50 TPOT {tpot:+.1f} % (target <= {TPOT_TARGET_PCT:g} %), "
-            f"p50 TTFT {ttft:+.1f} ms (target <= {TTFT_TARGET_MS:g} ms); same requests and token counts: "
-            f"{res['same_requests_and_tokens']}") if tpot is not None and ttft is not None else "overhead: not measured"
+    tail = "overhead: not measured"
+    if tpot is not None and ttft is not None:
+        ti, di = res.get("tpot_p50_overhead_pct_interval"), res.get("ttft_p50_overhead_ms_interval")
+        t_iv = f" ({ti[0]:+.1f} to {ti[1]:+.1f} %, {ti[2]})" if ti else ""
+        d_iv = f" ({di[0]:+.1f} to {di[1]:+.1f} ms, {di[2]})" if di else ""
+        tail = (f"HTTP overhead (medians of rounds): p50 TPOT {tpot:+.1f} %{t_iv} (target <= {TPOT_TARGET_PCT:g} %), "
+                f"p50 TTFT {ttft:+.1f} ms{d_iv} (target <= {TTFT_TARGET_MS:g} ms); same requests and token "
+                f"counts: {res['same_requests_and_tokens']}")
     return "\n".join([head, table, "medians:", _table(med, ["how", *METRICS], fmt), tail])

@@ -5,8 +5,9 @@ device has left after dense weights, the KV cache and activations (and every exp
 they fit), resident experts in the stored precision, int8 or int4, missing experts on the host,
 fetched or decided by cost; then micro-batches and replicas on the row with the most budget.
 Each config runs simulated: offline throughput, p99 TTFT and TPOT at the workload's own rate, and
-the capacity at the default SLO (the highest arrival-rate scale keeping attainment >= the target,
-:func:`tuner.slo.find_capacity`, DistServe's goodput@90). Pure simulation: no weights, no torch.
+the capacity at an SLO (default: the tuner's; the highest arrival-rate scale keeping attainment >= the target,
+:func:`tuner.capacity.find_capacity`, DistServe's goodput@90, down to :data:`MIN_RATE_SCALE` of the
+workload's rate). Pure simulation: no weights, no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 GIB = 2**30
+#: The lowest arrival-rate scale the capacity column probes: a simulated probe costs no waiting, so the
+#: search goes lower than a live one (``tuner.capacity.MIN_RATE_SCALE``) before it reports 0.
+MIN_RATE_SCALE = 1 / 64
 
 
 def _free_gib(model: str, profile: Any, base: Any) -> float:
@@ -61,14 +65,17 @@ def plan_configs(model: str, profile: Any, base: Any) -> list[dict[str, Any]]:
 
 
 def plan(model: str, profiles: list[Any], workload: Any, base: Any, *, max_requests: int | None = None,
-         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Rows (one per profile and config): knobs, offline tokens/s, p99s at rate x1, capacity."""
+         progress: Callable[[str], None] | None = None, slo: Any = None) -> list[dict[str, Any]]:
+    """Rows (one per profile and config): knobs, offline tokens/s, p99s at rate x1, capacity at ``slo`` (a
+    :class:`tuner.slo.SloSpec`; default: the latency bounds of the tuner's default SLO)."""
     from engine.backend_sim import SimBackend
     from engine.config import ConfigError
     from engine.runner import run_workload
-    from tuner.slo import DEFAULT_SLO, evaluate, find_capacity, parse_slo
+    from tuner.capacity import find_capacity
+    from tuner.slo import DEFAULT_SLO, evaluate, parse_slo
 
-    slo = parse_slo(data={k: v for k, v in DEFAULT_SLO.items() if not k.startswith("quality")})
+    if slo is None:
+        slo = parse_slo(data={k: v for k, v in DEFAULT_SLO.items() if not k.startswith("quality")})
     target = slo.attainment_target
     arrivals = [r.arrival_s for r in list(workload.requests)[: max_requests or None]]
     span = max(arrivals) - min(arrivals) if arrivals else 0.0
@@ -100,7 +107,8 @@ def plan(model: str, profiles: list[Any], workload: Any, base: Any, *, max_reque
                 r = run_workload(sim, workload, mode="realtime", rate_scale=scale, max_requests=max_requests)
                 return evaluate(r.requests, r.summary(), r.duration_s, slo).attainment
 
-            cap = find_capacity(attainment_at, target, 1.0) if target is not None else None
+            cap = (find_capacity(attainment_at, target, 1.0, min_rate_scale=MIN_RATE_SCALE)
+                   if target is not None else None)
             row.update(offline_tokens_per_s=off["output_tokens_per_s"], ttft_p99_ms=s.get("ttft_p99_ms"),
                        tpot_p99_ms=s.get("tpot_p99_ms"),
                        capacity_rps=None if cap is None else cap.rate_scale * base_rps,

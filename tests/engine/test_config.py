@@ -176,3 +176,20 @@ def test_dtype_precision_table():
         assert precision_of(getattr(torch, name)) == precision_of(name) == p and dtype_name(torch_dtype(p)) == name
     with pytest.raises(ValueError, match="int8"):
         precision_of("int8")
+
+
+@pytest.mark.parametrize("hi, lo, compute, ok", [
+    ("int8", "int4", "auto", True),
+    ("auto", "int8", "auto", True),
+    ("auto", "bf16", "float32", True),
+    ("int4", "int8", "auto", False),   # a tuner trial drew this: the planner raised a ValueError mid-trial
+    ("int8", "bf16", "auto", False),
+    ("auto", "bf16", "bfloat16", False),
+])
+def test_the_low_precision_copy_must_be_narrower_than_the_resident_one(hi, lo, compute, ok):
+    base = EngineConfig()
+    if ok:
+        base.replace(hi_precision=hi, lo_precision=lo, compute_dtype=compute, residency="static")
+        return
+    with pytest.raises(ConfigError, match=f"experts.lo_precision='{lo}' is not narrower than experts.hi_precision='{hi}'"):
+        base.replace(hi_precision=hi, lo_precision=lo, compute_dtype=compute, residency="static")

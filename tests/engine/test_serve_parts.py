@@ -275,10 +275,26 @@ def test_bench_serve_command_runs_both_ways(model_dir, capsys):
     from engine.cli import main
 
     assert main(["bench-serve", "--model", str(model_dir), "--workload", "builtin:tiny", "--mode", "offline",
-                 "--max-requests", "3", "--repeats", "1", "--threads", "1", "--json"]) == 0
+                 "--max-requests", "3", "--repeats", "1", "--warmup-rounds", "1", "--threads", "1", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])
-    assert [r["how"] for r in res["rows"]] == ["served", "inprocess"]
+    assert [r["how"] for r in res["rows"]] == ["served", "inprocess"]  # the warm-up round is not counted
+    assert res["warmup_rounds"] == 1 and [r["round"] for r in res["rows"]] == [0, 0]
+    lo, hi, method = res["tpot_p50_overhead_pct_interval"]
+    assert lo <= res["tpot_p50_overhead_pct"] <= hi and method == "single"
+    assert res["ttft_p50_overhead_ms_interval"][2] == "min-max"
     assert res["same_requests_and_tokens"] is True and res["rows"][0]["output_tokens"] > 0
     assert res["tpot_p50_overhead_pct"] is not None and res["ttft_p50_overhead_ms"] is not None
     assert any(line.startswith("HTTP overhead") for line in out)
+
+
+def test_bench_serve_intervals_widen_with_the_round_to_round_spread():
+    """The TTFT difference's interval: min-max of pairs under 5 rounds, a seeded bootstrap from 5."""
+    from engine.serve.bench import _diff_interval
+
+    assert _diff_interval([10.0, 12.0], [9.0, 10.0]) == [0.0, 3.0, "min-max"]
+    tight = _diff_interval([10.0, 10.1, 10.2, 9.9, 10.0], [9.0, 9.1, 9.0, 8.9, 9.0])
+    wide = _diff_interval([10.0, 14.0, 6.0, 12.0, 8.0], [9.0, 13.0, 5.0, 11.0, 7.0])
+    assert tight[2] == wide[2] == "bootstrap 95%" and tight[0] > 0.5
+    assert wide[0] < 0 < wide[1] and wide[1] - wide[0] > tight[1] - tight[0]
+    assert _diff_interval([None], [1.0]) is None

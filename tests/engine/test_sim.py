@@ -309,3 +309,37 @@ def test_tables_extrapolate_at_most_in_proportion_to_tokens():
     falling = Table((1.0, 2.0), (2e-3, 1e-3))
     assert falling.at(8) == pytest.approx(1e-3) and _log_lut(falling, 8)[8] == pytest.approx(1e-3)
     assert Table((1.0, 4.0), (1e-3, 2e-3)).at(16) == pytest.approx(4e-3)  # sub-linear kept
+
+
+# ------------------------------------------------------------------------------------------ engine plan
+def _plan_rows(capsys, *slo: str) -> tuple[str, list[list[str]]]:
+    args = ["plan", "--model", "shape:olmoe-1b-7b", "--profile", "builtin:h100-pcie", "--workload", "builtin:tiny",
+            "--max-requests", "6", "--max-batch-seqs", "8", "--max-seq-len-tokens", "1024", "--quiet"]
+    for s in slo:
+        args += ["--slo", s]
+    assert engine_main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    head = lines[0]
+    table = [ln.split() for ln in lines if ln[:1].isdigit() or ln.startswith("all")]
+    return head, table
+
+
+def test_plan_prices_capacity_at_the_slo_it_names(capsys):
+    head, loose = _plan_rows(capsys, "ttft_p99_ms=4000", "tpot_p99_ms=400")
+    assert "SLO ttft_p99_ms=4000, tpot_p99_ms=400, attainment 90 %" in head
+    head, tight = _plan_rows(capsys, "ttft_p99_ms=20", "tpot_p99_ms=2")
+    assert "SLO ttft_p99_ms=20, tpot_p99_ms=2" in head
+    assert len(loose) == len(tight) > 3
+    # The capacity column (capacity_rps) is the last but the error column (empty): a tighter SLO never
+    # admits a higher rate, and a 2 ms TPOT admits none on these profiles.
+    cap = [float(r[8]) for r in loose], [float(r[8]) for r in tight]
+    assert all(t <= lo_ for lo_, t in zip(*cap, strict=True)) and max(cap[1]) == 0 and max(cap[0]) > 0
+
+
+def test_plan_refuses_an_slo_without_a_latency_bound(capsys):
+    for slo, message in (("quality_min=0.9", "capacity needs a per-request latency bound"),
+                         ("ttft_p99=9", "unknown SLO metric")):
+        assert engine_main(["plan", "--model", "shape:olmoe-1b-7b", "--profile", "builtin:h100-pcie",
+                            "--workload", "builtin:tiny", "--slo", slo, "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--slo" in err[0] and slo in err[0] and message in err[0]

@@ -183,3 +183,26 @@ def test_expert_parallel_ranks_are_searched_up_to_the_gpus_there_are(gpus, choic
     else:
         assert list(space.param("parallel.ep_size").choices) == choices
         assert "parallel.ep_placement" in space.keys
+
+
+def test_only_int4_group_sizes_that_divide_the_model_are_searched():
+    # The small preset's expert width is 320: 128 does not divide it (the engine refuses such a config,
+    # and a study once spent one trial in ten on it).
+    assert list(build_space(HW).param("experts.int4_group_size").choices) == [32, 64, 128]
+    assert list(build_space(HW, widths=(1024, 320)).param("experts.int4_group_size").choices) == [32, 64]
+    none = build_space(HW, widths=(1024, 100))
+    assert "experts.int4_group_size" not in none.keys
+    assert "divides the model's widths [1024, 100]" in none.omitted["experts.int4_group_size"]
+
+
+def test_the_study_space_takes_the_model_widths_from_its_config(tmp_path):
+    from engine.model.maker import make_model
+    from tuner.cli import model_widths
+
+    make_model(tmp_path / "m", "qwen3_moe", "tiny", seed=1, dtype="float32")
+    from engine.model.checkpoint import spec_of
+
+    spec = spec_of(tmp_path / "m")
+    assert model_widths(str(tmp_path / "m")) == (spec.hidden_size, spec.expert_intermediate)
+    assert model_widths("shape:qwen3-30b-a3b") == (2048, 768)
+    assert model_widths(str(tmp_path / "missing")) == ()

@@ -1,0 +1,89 @@
+"""The engine's reconfigure: which knob changes reload the weights and which do not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.model.maker import make_model
+from engine.runner import run_workload
+from engine.runtime import Engine
+from workloads import Request, Workload
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runtime-model")
+    make_model(d, "qwen3_moe", "tiny", seed=5, dtype="bfloat16")
+    return str(d)
+
+
+def _tokens(engine: Engine) -> list[int]:
+    wl = Workload("t", [Request("a", 0.0, 9, 6)], {"source": "test"})
+    res = run_workload(engine, wl, mode="offline")
+    return res.requests[0].output_ids
+
+
+def test_spellings_of_the_same_weights_reload_nothing(bf16_dir):
+    eng = Engine(bf16_dir, EngineConfig())
+    assert eng.dtype == torch.float32  # the CPU computes in fp32 from the stored bf16 (native kernels or widened)
+    model = eng.model
+    before = _tokens(eng)
+    eng.reconfigure(eng.config.replace(compute_dtype="float32", device="cpu", max_batch_seqs=3))
+    assert eng.model is model and eng.config.scheduler.max_batch_seqs == 3
+    assert _tokens(eng) == before
+    # A different compute dtype or weight layout does reload.
+    eng.reconfigure(eng.config.replace(compute_dtype="checkpoint"))
+    assert eng.model is not model and eng.dtype == torch.bfloat16
+    model = eng.model
+    eng.reconfigure(eng.config.replace(compute_dtype="auto", cpu_kernels="torch"))
+    assert eng.model is not model and eng.weight_dtype == torch.float32
+    assert eng.loads_same_weights(eng.config.replace(cpu_kernels="torch", compute_dtype="float32"))
+    from engine import kernels
+
+    if kernels.load() is not None:  # the native kernels keep the stored bf16; PyTorch's products need fp32
+        assert not eng.loads_same_weights(eng.config.replace(cpu_kernels="auto"))
+
+
+def test_a_reconfigure_back_to_a_layout_loaded_before_reuses_its_weights(bf16_dir):
+    eng = Engine(bf16_dir, EngineConfig())
+    first = eng.model
+    before = _tokens(eng)
+    eng.reconfigure(eng.config.replace(compute_dtype="checkpoint"))
+    bf16 = eng.model
+    assert bf16 is not first and eng.dtype == torch.bfloat16
+    eng.reconfigure(eng.config.replace(compute_dtype="auto"))
+    assert eng.model is first and eng.load_s < 0.05  # kept, not read again
+    assert _tokens(eng) == before  # the same weights give the same tokens
+    eng.reconfigure(eng.config.replace(compute_dtype="checkpoint", hi_precision="int8", residency="cache"))
+    assert eng.model is bf16 and eng.model.hybrid is not None  # a spare gets this config's expert executor
+    eng.reconfigure(eng.config.replace(compute_dtype="auto", hi_precision="auto", residency="all"))
+    assert eng.model is first and eng.model.hybrid is None
+
+
+def test_spare_weights_stay_within_their_memory_share(bf16_dir, monkeypatch):
+    import engine.runtime as runtime
+
+    eng = Engine(bf16_dir, EngineConfig())
+    first = eng.model
+    monkeypatch.setattr(runtime, "SPARE_MEMORY_SHARE", 0.0)  # no room: nothing is kept
+    eng.reconfigure(eng.config.replace(compute_dtype="checkpoint"))
+    eng.reconfigure(eng.config.replace(compute_dtype="auto"))
+    assert eng.model is not first and not eng._spare_models.get(("cpu", "cpu", torch.bfloat16, torch.bfloat16))
+
+
+def test_quantized_experts_are_built_once_per_loaded_weights(bf16_dir):
+    eng = Engine(bf16_dir, EngineConfig())
+    int8 = eng.config.replace(hi_precision="int8")
+    eng.reconfigure(int8)
+    layer = eng.spec.moe_layers[0]
+    first = eng.model.hybrid.handles[layer][0].fast
+    assert first.precision == "int8" and len(eng.model.version_cache) == len(eng.spec.moe_layers) * eng.spec.n_experts
+    got = _tokens(eng)
+    eng.reconfigure(int8.replace(max_batch_seqs=2))  # a new executor, the same quantized experts
+    assert eng.model.hybrid.handles[layer][0].fast is first
+    assert _tokens(eng) == got == _tokens(Engine(bf16_dir, int8))  # as a fresh engine quantizes them
+    eng.reconfigure(int8.replace(hi_precision="int4", int4_group_size=32))
+    assert eng.model.hybrid.handles[layer][0].fast.precision == "int4"
+    assert len(eng.model.version_cache) == 2 * len(eng.spec.moe_layers) * eng.spec.n_experts

@@ -1,0 +1,39 @@
+"""The measurer's pieces that need no engine: the warm-up workload."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tuner.measure import WARM_UP_NEW_TOKENS, warm_up_workload
+from workloads.router import RouterTrace
+from workloads.schema import Request, Workload
+
+IDENTITY = {"arch": "qwen3_moe", "n_layers": 2, "n_experts": 4, "top_k": 2, "hidden_size": 8, "moe_layers": [0, 1],
+            "fingerprint": "f"}
+
+
+def _workload(with_trace: bool) -> Workload:
+    reqs = [Request("a", 0.0, 5, 20), Request("b", 0.5, 3, 2), Request("c", 1.0, 4, 9)]
+    trace = None
+    if with_trace:
+        lens = [r.prompt_len + r.max_new_tokens for r in reqs]
+        n = sum(lens)
+        ids = np.arange(n * 2 * 2, dtype=np.int16).reshape(n, 2, 2) % 4
+        trace = RouterTrace(IDENTITY, [r.request_id for r in reqs], np.concatenate([[0], np.cumsum(lens)]), ids,
+                            np.ones((n, 2, 2), np.float16))
+    return Workload("w", reqs, {}, trace)
+
+
+def test_the_warm_up_runs_the_first_prompts_with_a_few_new_tokens_and_their_routing():
+    wl = _workload(with_trace=True)
+    short = warm_up_workload(wl, 2)
+    assert [(r.request_id, r.prompt_len, r.max_new_tokens) for r in short.requests] == [
+        ("a", 5, WARM_UP_NEW_TOKENS), ("b", 3, 2)]
+    assert short.router_trace.request_ids == ["a", "b"]
+    # Request a's routing is its first prompt + new tokens rows, unchanged.
+    assert np.array_equal(short.router_trace.expert_ids[: 5 + WARM_UP_NEW_TOKENS],
+                          wl.router_trace.expert_ids[: 5 + WARM_UP_NEW_TOKENS])
+    assert short.router_trace.n_tokens == 5 + WARM_UP_NEW_TOKENS + 3 + 2
+    assert [r.max_new_tokens for r in wl.requests] == [20, 2, 9]  # the study's workload is untouched
+    plain = warm_up_workload(_workload(with_trace=False), 1)
+    assert plain.router_trace is None and len(plain.requests) == 1
