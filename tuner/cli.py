@@ -154,7 +154,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile = options.get("profile")
     hw = hardware() if profile is None else profile.hardware()
     sw = {**software(), "optuna": optuna.__version__}
-    space = build_space(hw, fixed=fixed, base=base, widths=model_widths(args.model))
+    widths = model_widths(args.model)
+    base = fit_int4_group(base, widths)
+    space = build_space(hw, fixed=fixed, base=base, widths=widths)
     if not space.params:
         raise ConfigError("nothing to search: every searchable knob is pinned or inert here")
     name = full_study_name(args.study or default_study_name(args.model, args.workload), space.space_hash())
@@ -455,6 +457,19 @@ def model_widths(model: str) -> tuple[int, ...]:
     except Exception:  # noqa: BLE001 - the model's own load reports the problem with its file and field
         return ()
     return (spec.hidden_size, spec.expert_intermediate)
+
+
+def fit_int4_group(base: EngineConfig, widths: tuple[int, ...]) -> EngineConfig:
+    """``base`` with an int4 group size that divides the model's widths, where its own does not. The group
+    size is searched only with int4 resident experts; an int4 low-precision copy under other resident
+    experts takes the base's, and the default (128) does not divide every model (expert width 320)."""
+    from engine.precision import INT4_GROUP_SIZES
+
+    group = base.experts.int4_group_size
+    if not widths or all(w % group == 0 for w in widths):
+        return base
+    fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
+    return base.replace(int4_group_size=max(fits)) if fits else base
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -206,3 +206,12 @@ def test_the_study_space_takes_the_model_widths_from_its_config(tmp_path):
     assert model_widths(str(tmp_path / "m")) == (spec.hidden_size, spec.expert_intermediate)
     assert model_widths("shape:qwen3-30b-a3b") == (2048, 768)
     assert model_widths(str(tmp_path / "missing")) == ()
+
+
+def test_the_base_int4_group_fits_the_model_for_a_low_precision_int4_copy():
+    from tuner.cli import fit_int4_group
+
+    base = EngineConfig()
+    assert fit_int4_group(base, (512, 320)).experts.int4_group_size == 64
+    assert fit_int4_group(base, (1024, 768)) is base  # 128 divides both
+    assert fit_int4_group(base, ()) is base and fit_int4_group(base, (100,)) is base
