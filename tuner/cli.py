@@ -22,6 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 from typing import Any
 
 from tuner.report import fmt as _fmt
