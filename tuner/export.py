@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,22 @@ def ranked_trials(session: Session, study: Study) -> list[Trial]:
     return out
 
 
+def acting_changes(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The knobs of a flat ``config`` that differ from ``defaults`` and act in it: a conditional knob
+    whose parents do not enable it (an int4 group size without int4 experts, say) changes nothing."""
+    from engine.config import knobs
+
+    info = {k.key: k for k in knobs()}
+    by_name = {k.name: k.key for k in info.values()}
+
+    def acts(key: str) -> bool:
+        k = info.get(key)
+        return k is None or all(config.get(by_name.get(parent, parent), defaults.get(by_name.get(parent, parent)))
+                                in values for parent, values in k.when.items())
+
+    return {k: v for k, v in config.items() if k in defaults and v != defaults[k] and acts(k)}
+
+
 def trial_row(trial: Trial, objectives: Sequence[str]) -> dict[str, Any]:
     """One trial as a JSON-able dict: state, objectives, headline metrics and changed knobs."""
     defaults = flatten(EngineConfig().to_dict())
@@ -113,7 +129,7 @@ def trial_row(trial: Trial, objectives: Sequence[str]) -> dict[str, Any]:
         "feasible": is_feasible(trial),
         "objectives": dict(zip(objectives, objective_values(trial, objectives) or [], strict=False)),
         **{k: getattr(trial, k) for k in HEADLINE},
-        "changed": {k: v for k, v in config.items() if k in defaults and v != defaults[k]},
+        "changed": acting_changes(config, defaults),
         "config_hash": trial.config_hash,
         "fidelity": trial.fidelity,
         "measured_s": trial.measured_s,

@@ -114,3 +114,16 @@ def test_confirm_interleaves_records_the_order_and_its_intervals_hold_the_median
             assert iv["lo"] <= iv["median"] <= iv["hi"] and iv["n"] == summary["repeats"]
         for g in summary["gains"]:
             assert g["gain"]["lo"] <= g["gain"]["median"] <= g["gain"]["hi"]
+
+
+
+def test_a_trial_diff_lists_only_knobs_that_act():
+    from engine.config import EngineConfig
+    from tuner.export import acting_changes
+    from tuner.space import flatten
+
+    defaults = flatten(EngineConfig().to_dict())
+    inert = flatten(EngineConfig().replace(int4_group_size=64, max_batch_seqs=8).to_dict())
+    assert acting_changes(inert, defaults) == {"scheduler.max_batch_seqs": 8}  # no int4 experts: the group is inert
+    int4 = flatten(EngineConfig().replace(int4_group_size=64, hi_precision="int4").to_dict())
+    assert acting_changes(int4, defaults) == {"experts.hi_precision": "int4", "experts.int4_group_size": 64}
