@@ -92,7 +92,19 @@ def _flags(torch_dir: Path, march: str = "native") -> list[str]:
 def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
     """Run the compiler in its own process group, so that an interrupted build (Ctrl-C, a test's timeout)
     stops the compiler's own children too (``cc1plus`` outlives a killed ``g++``)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Its own session means a terminal's Ctrl-C no longer reaches the compiler: this process must stop it.
+    # An interrupt that landed inside Popen (the compiler already started, ``proc`` not yet bound) would
+    # leave it running, so SIGINT and SIGTERM wait until ``proc`` exists.
+    held = {signal.SIGINT, signal.SIGTERM}
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     try:
         out, err = proc.communicate()
     except BaseException:

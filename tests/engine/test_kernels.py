@@ -338,17 +338,21 @@ def test_an_interrupted_build_stops_the_compilers_children(tmp_path):
                    f"sleep 300 & echo $! > {child_pid}\nwait\n")
     cxx.chmod(0o755)
     env = {**os.environ, "CXX": str(cxx), "MOETUNE_CACHE": str(tmp_path / "cache")}
+    # stderr to a file: a pipe nobody reads until the end could fill and hold the interrupted process.
+    # SIGINT at its default: a shell's background job ignores it, and Python then never raises on it.
+    err = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115 - closed below, after the process is gone
     proc = subprocess.Popen([sys.executable, "-c", "from engine import kernels; kernels.load()"], env=env,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=err, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (child_pid.exists() and child_pid.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, "the build did not start"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) != 0
+        assert proc.wait(timeout=30) != 0, (tmp_path / "stderr.txt").read_text()[-2000:]
     finally:
         proc.kill()
+        err.close()
     pid = int(child_pid.read_text())
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
