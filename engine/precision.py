@@ -17,6 +17,12 @@ INT_PRECISIONS = ("int8", "int4")
 PRECISIONS = (*FLOAT_PRECISIONS, *INT_PRECISIONS)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 """int4 group sizes (input channels per scale) the packed kernels (CPU and tinygemm) accept."""
+def int4_groups_dividing(widths: tuple[int, ...] | list[int], sizes: tuple[int, ...] = INT4_GROUP_SIZES
+                         ) -> tuple[int, ...]:
+    """The group sizes of ``sizes`` that divide every one of ``widths`` (a model's hidden size and expert width)."""
+    return tuple(g for g in sizes if all(w % g == 0 for w in widths))
+
+
 INT4_ROW_MULTIPLE = 16
 """int4 output rows are padded to this (CPU kernel: N % 16; tinygemm: N % 8)."""
 SCALE_BYTES = 2

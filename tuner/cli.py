@@ -467,12 +467,11 @@ def fit_int4_group(base: EngineConfig, widths: tuple[int, ...]) -> EngineConfig:
     """``base`` with an int4 group size that divides the model's widths, where its own does not. The group
     size is searched only with int4 resident experts; an int4 low-precision copy under other resident
     experts takes the base's, and the default (128) does not divide every model (expert width 320)."""
-    from engine.precision import INT4_GROUP_SIZES
+    from engine.precision import int4_groups_dividing
 
-    group = base.experts.int4_group_size
-    if not widths or all(w % group == 0 for w in widths):
+    if not widths or int4_groups_dividing(widths, (base.experts.int4_group_size,)):
         return base
-    fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
+    fits = int4_groups_dividing(widths)
     return base.replace(int4_group_size=max(fits)) if fits else base
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig, KnobInfo, knobs, merge_flat
+from engine.precision import int4_groups_dividing
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +349,7 @@ def build_space(
                     k, search=dataclasses.replace(k.search, high=min(k.search.high, cores)))
     group = candidates.get("experts.int4_group_size")
     if widths and group is not None and group.search is not None and group.search.choices is not None:
-        fits = tuple(g for g in group.search.choices if all(w % g == 0 for w in widths))
+        fits = int4_groups_dividing(widths, tuple(group.search.choices))
         if fits:
             candidates[group.key] = dataclasses.replace(group, search=dataclasses.replace(group.search, choices=fits))
         else:

@@ -104,6 +104,26 @@ def gain_interval(best: Sequence[float | None], baseline: Sequence[float | None]
     return Interval(med, min(lo, med), max(hi, med), n, f"bootstrap {confidence:.0%}")
 
 
+def difference_interval(a: Sequence[float | None], b: Sequence[float | None], *, seed: int = 0,
+                        samples: int = BOOTSTRAP_SAMPLES, confidence: float = CONFIDENCE) -> Interval | None:
+    """``median(a) - median(b)`` with an interval, made as :func:`gain_interval` makes a ratio's: the
+    pairwise extremes under :data:`BOOTSTRAP_MIN` runs, else a seeded bootstrap of the two medians."""
+    xs = [float(v) for v in a if v is not None]
+    ys = [float(v) for v in b if v is not None]
+    if not xs or not ys:
+        return None
+    med = statistics.median(xs) - statistics.median(ys)
+    if min(len(xs), len(ys)) < BOOTSTRAP_MIN:
+        return Interval(med, min(xs) - max(ys), max(xs) - min(ys), min(len(xs), len(ys)), "min-max")
+    rng = random.Random(seed)
+    diffs = sorted(statistics.median(rng.choices(xs, k=len(xs))) - statistics.median(rng.choices(ys, k=len(ys)))
+                   for _ in range(samples))
+    tail = (1.0 - confidence) / 2
+    lo = diffs[int(math.floor(tail * (samples - 1)))]
+    hi = diffs[int(math.ceil((1.0 - tail) * (samples - 1)))]
+    return Interval(med, min(lo, med), max(hi, med), min(len(xs), len(ys)), f"bootstrap {confidence:.0%}")
+
+
 def verdict(g: Interval | None) -> str:
     """``"gain"``, ``"loss"`` or :data:`NO_GAIN` for a gain interval (None: not measured)."""
     if g is None:

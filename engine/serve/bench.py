@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -98,20 +96,11 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def _diff_interval(a: list[float | None], b: list[float | None]) -> list[Any] | None:
-    """An interval of ``median(a) - median(b)``: min-max of the pairwise differences under
-    :data:`~tuner.stats.BOOTSTRAP_MIN` rounds, else a seeded bootstrap of the two medians."""
-    from tuner.stats import BOOTSTRAP_MIN, BOOTSTRAP_SAMPLES
-    xs = [v for v in a if v is not None]
-    ys = [v for v in b if v is not None]
-    if not xs or not ys:
-        return None
-    if min(len(xs), len(ys)) < BOOTSTRAP_MIN:
-        return [min(xs) - max(ys), max(xs) - min(ys), "min-max"]
-    rng = random.Random(0)
-    diffs = sorted(statistics.median(rng.choices(xs, k=len(xs))) - statistics.median(rng.choices(ys, k=len(ys)))
-                   for _ in range(BOOTSTRAP_SAMPLES))
-    return [diffs[int(0.025 * (BOOTSTRAP_SAMPLES - 1))], diffs[int(math.ceil(0.975 * (BOOTSTRAP_SAMPLES - 1)))],
-            "bootstrap 95%"]
+    """``[lo, hi, method]`` of ``median(a) - median(b)`` (:func:`tuner.stats.difference_interval`)."""
+    from tuner.stats import difference_interval
+
+    d = difference_interval(a, b)
+    return None if d is None else [d.lo, d.hi, d.method]
 
 
 def _on_worker_thread(fn, *args, **kwargs):

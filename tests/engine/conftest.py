@@ -205,3 +205,15 @@ def open_engine() -> Callable[..., EngineDriver]:
         return EngineDriver(decoder, cache)
 
     return open_
+
+
+@pytest.fixture
+def native_kernels(require_component):
+    """moetune's kernels built: a broken build fails the test; a machine with no compiler at all follows
+    ``require_component`` (a failure under ``MOETUNE_TEST_STRICT=1``)."""
+    from engine import kernels
+
+    st = kernels.status()
+    if st["state"] == "broken":
+        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
+    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))

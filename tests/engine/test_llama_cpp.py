@@ -22,17 +22,6 @@ from engine.runtime import Engine
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 4, 99, 100, 7]]
 
 
-@pytest.fixture
-def native_kernels(require_component):
-    """The compute rooflines need the kernels' measured path peaks."""
-    from engine import kernels
-
-    st = kernels.status()
-    if st["state"] == "broken":
-        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
-    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
-
-
 @pytest.fixture(scope="module")
 def ckpt(make_ckpt):
     return make_ckpt("qwen3_moe", dtype="bfloat16", seed=3)

@@ -302,16 +302,6 @@ def test_cuda_round_trip_and_quantize_on_device(precision):
 
 
 # --------------------------------------------------------------------------------- int4_native layout
-@pytest.fixture
-def native_kernels(require_component):
-    """moetune's kernels built (a broken build fails; a machine with no compiler follows ``require``)."""
-    from engine import kernels
-
-    st = kernels.status()
-    if st["state"] == "broken":
-        pytest.fail(f"the native kernels do not build with {st['compiler']}: {st['error']}", pytrace=False)
-    require_component("a C++ compiler", st["state"] != "missing", "apt-get install g++", str(st["error"]))
-
 
 def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
     """What the native int4 path computes: ``scale * sum(q * x_q8) + (zero - 8 scale) * sum(x)`` per group,
