@@ -239,12 +239,16 @@ class Engine:
         if self.model.ep is not None:
             self.model.ep.place(hotness)  # every rank re-places from the same profile
 
-    def warm_up_hotness(self, tokens: int | None = None) -> None:
-        """Count expert hotness by routing synthetic tokens (when no router trace is given)."""
+    def warm_up_hotness(self, tokens: int | None = None, *, force: bool = False) -> None:
+        """Count expert hotness by routing synthetic tokens (when no router trace is given).
+
+        Only when the config places anything by hotness, unless ``force``: a tuner computes the profile
+        once per study on the config it starts from, so that the first static or dynamic trial does not
+        route the warm-up tokens at its own (maybe slow) speed; the profile survives reconfiguring."""
         import numpy as np
 
         n = self.config.experts.hotness_warmup_tokens if tokens is None else tokens
-        if n <= 0 or not uses_hotness(self.config):
+        if n <= 0 or not (force or uses_hotness(self.config)):
             return
         g = torch.Generator().manual_seed(self.config.runtime.seed + 17)
         ids = torch.randint(0, self.spec.vocab_size, (n,), generator=g).tolist()

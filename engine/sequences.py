@@ -10,6 +10,7 @@ from a router trace. No torch here.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections import deque
 from collections.abc import Collection
@@ -160,7 +161,10 @@ class SequenceTable:
 
     def next_step(self) -> StepLayout:
         """Admit what the scheduler lets in and lay out the step's tokens (empty when nothing runs)."""
-        plan = plan_step(self.running, [s.prompt_len for s in self.waiting], self.cfg)
+        # Only the first free-slot count of waiting requests can be admitted: a long queue (a whole
+        # offline workload) is not walked every step.
+        free = max(0, self.cfg.max_batch_seqs - len(self.running))
+        plan = plan_step(self.running, [s.prompt_len for s in itertools.islice(self.waiting, free)], self.cfg)
         for _ in range(plan.admit):
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self.free_slots)

@@ -76,12 +76,13 @@ ProbeFn = Callable[[float], "Probe | float"]
 def find_capacity(probe: ProbeFn, target: float, start: float = 1.0, *, incumbent: float | None = None,
                   margin: float = 0.0, rel_tol: float = REL_TOL, max_probes: int = MAX_PROBES,
                   first_step: float | None = None, min_rate_scale: float = MIN_RATE_SCALE,
-                  max_rate_scale: float = MAX_RATE_SCALE) -> Capacity:
+                  max_rate_scale: float = MAX_RATE_SCALE,
+                  rate_label: Callable[[float], str] = lambda s: f"rate x{s:.3g}") -> Capacity:
     """Search the highest rate scale whose probe meets ``target`` (see the module docstring).
 
     ``probe(rate_scale)`` returns a :class:`Probe` or just the attainment. ``first_step`` defaults to
     :data:`WARM_STEP` when the search starts from a known capacity (``incumbent`` given) and to
-    :data:`COLD_STEP` otherwise.
+    :data:`COLD_STEP` otherwise. ``rate_label`` spells a rate scale in the reasons (e.g. in requests/s).
     """
     if not 0 < target <= 1:
         raise ValueError(f"attainment target {target}: must be in (0, 1]")
@@ -102,7 +103,7 @@ def find_capacity(probe: ProbeFn, target: float, start: float = 1.0, *, incumben
         bar = max(min_rate_scale, incumbent * (1.0 - max(0.0, min(margin, 0.9))))
         if not run(bar):
             return Capacity(0.0, None, bar, probes, stopped_early=True,
-                            reason=f"missed the target at rate x{bar:.3g}, the best so far less the noise "
+                            reason=f"missed the target at {rate_label(bar)}, the best so far less the noise "
                                    f"margin: cannot beat it")
         lo = bar
     else:
@@ -117,7 +118,7 @@ def find_capacity(probe: ProbeFn, target: float, start: float = 1.0, *, incumben
         nxt = max(hi / step, min_rate_scale)  # the floor itself is probed once
         if hi <= min_rate_scale or len(probes) >= max_probes:
             return Capacity(0.0, None, hi, probes,
-                            reason=f"missed the target down to rate x{hi:.3g} of the recorded arrivals")
+                            reason=f"missed the target down to {rate_label(hi)}")
         if run(nxt):
             lo = nxt
         else:
@@ -126,7 +127,7 @@ def find_capacity(probe: ProbeFn, target: float, start: float = 1.0, *, incumben
     while hi is None:
         nxt = min(lo * step, max_rate_scale)
         if lo >= max_rate_scale or len(probes) >= max_probes:
-            return Capacity(lo, lo, None, probes, reason=f"met the target up to rate x{lo:.3g}, the highest tried")
+            return Capacity(lo, lo, None, probes, reason=f"met the target up to {rate_label(lo)}, the highest tried")
         if run(nxt):
             lo = nxt
             step = min(step * step, MAX_STEP)

@@ -245,6 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "quality_check off and the bound as unmeasured)")
 
     warm_s = objective.warm_up()
+    if space.may_place_by_hotness(base):  # once, at the start config's speed, not at the first such trial's
+        warm_s += measurer.warm_up_hotness()
     done_before = len(counted_trials(study.get_trials(deepcopy=False)))
     what = (f"capacity at attainment >= {slo.attainment_target:.0%} of {slo.describe_latency()}"
             if capacity else ", ".join(objectives))

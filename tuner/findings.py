@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from db.models import MeasurementRow, Study, Trial
+from db.models import MeasurementRow, ProbeRow, Study, Trial
 from tuner.metrics import OBJECTIVES
 from tuner.stats import (
     Interval,
@@ -70,6 +70,28 @@ def noise_summary(session: Session, study: Study) -> dict[str, Any] | None:
     if n is None:
         return None
     return {**n.to_dict(), "objective": study.objectives[0] if study.objectives else None}
+
+
+def gain_over_zero(baseline: str, runs: int, best_lo: float, floor_rps: float | None) -> dict[str, Any]:
+    """The gain row over a baseline that met the target at no rate in any of its ``runs``: a gain, bounded
+    from below by the best config's lowest run over the lowest rate the baseline missed at."""
+    bound = best_lo / floor_rps if floor_rps else None
+    return {"verdict": "gain", "lower_bound": bound, "floor_rps": floor_rps,
+            "text": (f"more than x{bound:.3g} " if bound else "") + f"over {baseline}: it met the target at no rate "
+                    "tried" + (f", down to {floor_rps:.3g} req/s," if floor_rps else "")
+                    + f" in {runs} runs; the best config's lowest run {best_lo:.4g}"}
+
+
+def _lowest_rate_missed(session: Session, rows: Sequence[MeasurementRow]) -> float | None:
+    """The highest, over measurements that met the target at no rate, of the lowest rate each probed
+    (req/s): below it a capacity of 0 says nothing."""
+    lowest = []
+    for r in rows:
+        rates = [p for p in session.scalars(select(ProbeRow.rate_rps).where(ProbeRow.measurement_id == r.id))
+                 if p is not None]
+        if rates:
+            lowest.append(min(rates))
+    return max(lowest) if lowest else None
 
 
 def _label(t: Trial) -> str:
@@ -121,9 +143,10 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
                    "verdict": verdict(g), "text": describe_gain(g, c["baseline"])}
             measured = [v for v in c["values"] if v is not None]
             if g is None and measured and max(measured) == 0 and best["interval"]["lo"] > 0:
-                # A capacity of 0: the baseline met the target at no rate the search tried.
-                row.update(verdict="gain", text=f"over {c['baseline']}: it met the target at no rate tried in "
-                                                f"{len(measured)} runs, the best config in all of its runs")
+                # A capacity of 0: the baseline met the target at no rate the search tried; its lowest
+                # rate (the highest over the runs) bounds the gain from below.
+                floor = _lowest_rate_missed(session, [r for r in rows if r.trial_id == c["trial_id"]])
+                row.update(gain_over_zero(c["baseline"], len(measured), best["interval"]["lo"], floor))
             gains.append(row)
     order = [trials[r.trial_id].number for r in sorted(rows, key=lambda r: r.seq)]
     return {

@@ -218,6 +218,17 @@ class Measurer:
         run_workload(self.backend, warm_up_workload(self.workload, n_requests), mode="offline")
         return time.perf_counter() - t
 
+    def warm_up_hotness(self) -> float:
+        """Count expert hotness once, on the config the engine holds now (the study's start), for every
+        later trial that places experts by hotness; returns seconds (0 without a torch engine, or when a
+        profile is already set)."""
+        engine = getattr(self.backend, "engine", None)
+        if not isinstance(engine, Engine) or engine.hotness is not None:
+            return 0.0
+        t = time.perf_counter()
+        engine.warm_up_hotness(force=True)
+        return time.perf_counter() - t
+
     # ------------------------------------------------------------------------------ measuring
     def measure(self, fidelity: float = 1.0, *, start_rps: float | None = None, start_scale: float | None = None,
                 incumbent_rps: float | None = None, margin: float = 0.0, quality: Mapping[str, float] | None = None,
@@ -290,7 +301,8 @@ class Measurer:
         floor = floor_rps / base if floor_rps else min(start, incumbent or start) * s.floor_ratio
         found = cap.find_capacity(
             probe, target, max(start, floor), incumbent=incumbent, margin=margin, rel_tol=s.rel_tol,
-            max_probes=s.max_probes, first_step=first_step, min_rate_scale=floor, max_rate_scale=top)
+            max_probes=s.max_probes, first_step=first_step, min_rate_scale=floor, max_rate_scale=top,
+            rate_label=lambda scale: f"{scale * base:.3g} req/s")
         m.capacity = found
         m.stopped_early, m.reason = found.stopped_early, found.reason
         if not found.bounded and found.lo is not None and found.lo >= top:

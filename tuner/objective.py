@@ -4,8 +4,8 @@ The model is loaded once per worker and reconfigured between trials (:class:`tun
 A trial's config is first checked for its quality floor (cached by the knobs that change the maths),
 then measured fidelity by fidelity (a prefix of the workload, then all of it):
 
-- the capacity search is warm-started from the best capacity of the study at that fidelity and stops
-  after one probe when the config cannot beat it beyond the study's noise;
+- the capacity search is warm-started from the best capacity of the study at that fidelity; at the
+  first fidelity it stops after one probe when the config cannot beat it beyond the study's noise;
 - after each prefix the intermediate value goes to Optuna's pruner (successive halving): a trial that
   is not competitive stops there;
 - baselines are measured at every fidelity and never stopped (their numbers are the reference).
@@ -175,7 +175,9 @@ class Objective:
         for i, fidelity in enumerate(rungs):
             last = i == len(rungs) - 1
             searched = baseline is None and self.prune and self.single
-            incumbent = incumbent_value(trial.study, i, self.direction) if searched else None
+            # The early stop at the incumbent less the noise is for the first fidelity alone: a trial the
+            # pruner promoted is competitive, and its bar would be a probe at a low rate (a long replay).
+            incumbent = incumbent_value(trial.study, i, self.direction) if searched and i == 0 else None
             start = incumbent_value(trial.study, i, self.direction) or None
             start_scale = None
             if start is None and done and done[-1].capacity is not None and done[-1].capacity.rate_scale > 0:

@@ -25,7 +25,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, KnobInfo, knobs, merge_flat
+from engine.config import (
+    HOTNESS_RESIDENCIES,
+    ConfigError,
+    EngineConfig,
+    KnobInfo,
+    knobs,
+    merge_flat,
+    uses_hotness,
+)
 from engine.precision import int4_groups_dividing
 
 log = logging.getLogger(__name__)
@@ -225,6 +233,18 @@ class SearchSpace:
             if self.active(p, values):
                 values[p.key] = flat[p.key]
         return values
+
+    def may_place_by_hotness(self, base: EngineConfig) -> bool:
+        """Whether some trial of this space places experts from a hotness profile (static or dynamic
+        residency, an expert-parallel placement by load): the tuner then counts hotness once per study."""
+        if uses_hotness(self.to_config({}, base, source="the study's start")):
+            return True
+        for p in self.params:
+            if p.key == "experts.residency" and set(p.choices or ()) & set(HOTNESS_RESIDENCIES):
+                return True
+            if p.key == "parallel.ep_placement" and set(p.choices or ()) - {"contiguous"}:
+                return True
+        return False
 
     def to_config(self, values: Mapping[str, Any], base: EngineConfig, source: str = "trial") -> EngineConfig:
         """The validated engine config of a point: ``base``, then pinned knobs, then ``values``.

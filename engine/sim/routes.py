@@ -96,9 +96,8 @@ class SyntheticRoutes:
     def _reset(self) -> None:
         self._win_cache: dict[int, np.ndarray] = {}
         n_moe, e = len(self.shape.moe_layers), self.shape.n_experts
-        self._rng = np.random.default_rng([self.routing.seed, 7])
-        self._perms = [np.tile(np.arange(e, dtype=np.int16), (n_moe, 1))]  # window -> [L, E] expert labels
-        self._arr = np.stack(self._perms)
+        if getattr(self, "_drift", None) is None:  # one per pool: every fresh() copy reads the same windows
+            self._drift = _DriftLabels(n_moe, e, self.routing, self._start_hotness)
         self._base: dict[str, int] = {}  # request -> its first token's time
         self._salt: dict[str, int] = {}
         self._clock = 0
@@ -166,8 +165,12 @@ class SyntheticRoutes:
             return self._window_pool(w0)[rows], gate_rows
         perms = self._perms_to(w1)
         n_layers, e = perms.shape[1], perms.shape[2]
-        flat = perms.reshape(-1)
-        ids = flat[self.pool_ids[rows] + (win * (n_layers * e))[:, None, None] + self._layer_offsets(n_layers, e)]
+        # Index of each token's (window, layer) block in the flat permutations, [N, L, 1], then plus the
+        # pool's label: one widening add over [N, L, K] (int32 while the blocks fit) and one take.
+        wide = np.int32 if perms.size < np.iinfo(np.int32).max else np.int64
+        block = (win.astype(wide) * wide(n_layers * e))[:, None, None] \
+            + self._layer_offsets(n_layers, e).astype(wide, copy=False)
+        ids = perms.reshape(-1).take(np.add(self.pool_ids[rows], block, dtype=wide))
         return ids, gate_rows
 
     def _window_pool(self, window: int) -> np.ndarray:
@@ -190,25 +193,8 @@ class SyntheticRoutes:
         return self._offsets
 
     def _perms_to(self, window: int) -> np.ndarray:
-        """Permutations of expert labels ``[windows, L, E]`` up to ``window``: each window trades the
-        popularity of ``drift`` of each layer's experts (picked by popularity) with random experts."""
-        if window < len(self._perms):
-            return self._arr
-        e = self.shape.n_experts
-        n_swap = max(1, round(self.routing.drift * e)) if self.routing.drift > 0 else 0
-        hot = self._start_hotness
-        while len(self._perms) <= window:
-            perm = self._perms[-1].copy()
-            for li in range(perm.shape[0]):
-                p = hot[li] if hot[li].sum() > 0 else None
-                # Pool experts to move, weighted by how often they are routed; partners uniform.
-                src = self._rng.choice(e, size=n_swap, replace=True, p=p)
-                dst = self._rng.integers(0, e, size=n_swap)
-                for a, b in zip(src.tolist(), dst.tolist(), strict=True):
-                    perm[li, a], perm[li, b] = perm[li, b], perm[li, a]
-            self._perms.append(perm)
-        self._arr = np.stack(self._perms)
-        return self._arr
+        """Permutations of expert labels ``[windows, L, E]`` up to at least ``window`` (see :class:`_DriftLabels`)."""
+        return self._drift.upto(window)
 
     def drift_tv(self, windows: int = 8) -> float:
         """Mean total-variation distance of hotness between consecutive windows (the drift it makes)."""
@@ -217,10 +203,47 @@ class SyntheticRoutes:
         for w in range(windows + 1):
             h = np.zeros_like(self._start_hotness)
             for li in range(h.shape[0]):
-                h[li, self._perms[w][li]] = self._start_hotness[li]
+                h[li, self._perms_to(windows)[w][li]] = self._start_hotness[li]
             shares.append(h)
         return float(np.mean([0.5 * np.abs(b - a).sum(axis=1).mean() for a, b in zip(shares, shares[1:],
                                                                                         strict=False)]))
+
+
+class _DriftLabels:
+    """Expert labels per drift window, ``[windows, L, E]``: each window trades the popularity of ``drift``
+    of each layer's experts (picked by popularity) with random experts.
+
+    Drawn in window order from one seeded stream, so window ``w`` is the same whoever asks for it first:
+    the copies :meth:`SyntheticRoutes.fresh` makes (one per run) share one instance and draw each window
+    once. Stored in an array that doubles when full (not restacked per new window)."""
+
+    def __init__(self, n_layers: int, n_experts: int, routing: SyntheticRouting, hotness: np.ndarray) -> None:
+        self.rng = np.random.default_rng([routing.seed, 7])
+        self.n_swap = max(1, round(routing.drift * n_experts)) if routing.drift > 0 else 0
+        self.hotness = hotness
+        self.arr = np.tile(np.arange(n_experts, dtype=np.int16), (4, n_layers, 1))
+        self.n = 1
+
+    def upto(self, window: int) -> np.ndarray:
+        """The labels of windows ``0..n-1`` with ``n > window`` (a view)."""
+        if window >= self.n:
+            if window >= len(self.arr):
+                grown = np.empty((max(window + 1, 2 * len(self.arr)), *self.arr.shape[1:]), self.arr.dtype)
+                grown[: self.n] = self.arr[: self.n]
+                self.arr = grown
+            e = self.arr.shape[2]
+            for w in range(self.n, window + 1):
+                perm = self.arr[w - 1].copy()
+                for li in range(perm.shape[0]):
+                    p = self.hotness[li] if self.hotness[li].sum() > 0 else None
+                    # Pool experts to move, weighted by how often they are routed; partners uniform.
+                    src = self.rng.choice(e, size=self.n_swap, replace=True, p=p)
+                    dst = self.rng.integers(0, e, size=self.n_swap)
+                    for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+                        perm[li, a], perm[li, b] = perm[li, b], perm[li, a]
+                self.arr[w] = perm
+            self.n = window + 1
+        return self.arr[: self.n]
 
 
 def tokens_of(prompt_len: int, max_new_tokens: int) -> int:

@@ -127,3 +127,14 @@ def test_a_trial_diff_lists_only_knobs_that_act():
     assert acting_changes(inert, defaults) == {"scheduler.max_batch_seqs": 8}  # no int4 experts: the group is inert
     int4 = flatten(EngineConfig().replace(int4_group_size=64, hi_precision="int4").to_dict())
     assert acting_changes(int4, defaults) == {"experts.hi_precision": "int4", "experts.int4_group_size": 64}
+
+
+def test_a_baseline_that_met_the_target_at_no_rate_bounds_the_gain_from_below():
+    from tuner.findings import gain_over_zero
+
+    row = gain_over_zero("hf-static-like", 3, 33.5, 1.42)
+    assert row["verdict"] == "gain" and row["lower_bound"] == pytest.approx(33.5 / 1.42)
+    assert row["text"].startswith("more than x23.6 over hf-static-like") and "down to 1.42 req/s" in row["text"]
+    assert "3 runs" in row["text"]
+    unbounded = gain_over_zero("hf-static-like", 2, 33.5, None)  # no probe rate recorded: no bound claimed
+    assert unbounded["lower_bound"] is None and unbounded["text"].startswith("over hf-static-like")

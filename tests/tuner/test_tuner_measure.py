@@ -37,3 +37,25 @@ def test_the_warm_up_runs_the_first_prompts_with_a_few_new_tokens_and_their_rout
     assert [r.max_new_tokens for r in wl.requests] == [20, 2, 9]  # the study's workload is untouched
     plain = warm_up_workload(_workload(with_trace=False), 1)
     assert plain.router_trace is None and len(plain.requests) == 1
+
+
+def test_hotness_is_counted_once_per_study_on_the_start_config_and_survives_reconfiguring(tiny_engine, tiny_workload):
+    from engine.config import EngineConfig
+    from tuner.measure import Measurer, MeasureSettings
+    from tuner.slo import parse_slo
+
+    tiny_engine.reconfigure(EngineConfig())
+    tiny_engine.hotness = None
+    m = Measurer(tiny_engine, tiny_workload, parse_slo([]), MeasureSettings(("goodput_rps",), "offline"))
+    tiny_engine.warm_up_hotness()  # the plain start config places nothing by hotness: no profile
+    assert tiny_engine.hotness is None
+    assert m.warm_up_hotness() > 0
+    profile = tiny_engine.hotness
+    assert profile is not None and profile.shape == (len(tiny_engine.spec.moe_layers), tiny_engine.spec.n_experts)
+    assert np.allclose(profile.sum(axis=1), 1.0)
+    assert m.warm_up_hotness() == 0.0  # once: a later call keeps the profile
+    static = EngineConfig().replace(residency="static", resident_budget_gib=0.0)
+    m.apply(static)
+    assert tiny_engine.hotness is profile  # the static trial plans from it instead of routing its own warm-up
+    tiny_engine.reconfigure(EngineConfig())
+    tiny_engine.hotness = None

@@ -215,3 +215,15 @@ def test_the_base_int4_group_fits_the_model_for_a_low_precision_int4_copy():
     assert fit_int4_group(base, (512, 320)).experts.int4_group_size == 64
     assert fit_int4_group(base, (1024, 768)) is base  # 128 divides both
     assert fit_int4_group(base, ()) is base and fit_int4_group(base, (100,)) is base
+
+
+def test_a_space_that_can_place_by_hotness_says_so():
+    residency = next(k for k in knobs() if k.key == "experts.residency")
+    registry = [dataclasses.replace(k, search=Search(choices=("all", "static"))) if k.key == residency.key else k
+                for k in knobs()]
+    assert build_space(HW, registry=registry).may_place_by_hotness(EngineConfig())
+    plain = [dataclasses.replace(k, search=Search(choices=("all", "cache"))) if k.key == residency.key
+             else dataclasses.replace(k, search=None) if k.key == "parallel.ep_placement" else k for k in knobs()]
+    assert not build_space(HW, registry=plain).may_place_by_hotness(EngineConfig())
+    # The start config itself may place by hotness, whatever is searched.
+    assert build_space(HW, registry=plain).may_place_by_hotness(EngineConfig().replace(residency="static"))

@@ -379,7 +379,8 @@ def counts_by_layer(ids: np.ndarray, n_experts: int) -> np.ndarray:
     n_layers = ids.shape[1]
     # Shift ids by one so a skipped slot (-1) lands in each layer's bin 0, which is dropped.
     stride = n_experts + 1
-    flat = ids.astype(np.int64) + (np.arange(n_layers, dtype=np.int64) * stride + 1)[None, :, None]
+    # One pass: the add widens int16/int32 ids itself (an astype first is a second pass over [T, L, K]).
+    flat = np.add(ids, (np.arange(n_layers, dtype=np.int64) * stride + 1)[None, :, None], dtype=np.int64)
     counts = np.bincount(flat.reshape(-1), minlength=n_layers * stride).reshape(n_layers, stride)
     return counts[:, 1:]
 
