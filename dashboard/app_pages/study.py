@@ -116,21 +116,15 @@ def validated() -> None:
     sp = summary.get("spearman") or {}
     cols[-1].metric(f"Spearman {sp.get('metric')}", ui.fmt(sp.get("rho"), ".2f"),
                     help="rank correlation of predicted and measured over the trials (needs 3 or more)")
-    left, right = st.columns(2)
-    with left:
-        st.dataframe(rows.drop(columns=["number", "baseline"]), hide_index=True, column_config={
-            "predicted": st.column_config.NumberColumn("predicted (sim)", format="%.4g"),
-            "measured": st.column_config.NumberColumn("measured (live)", format="%.4g"),
-            "error": st.column_config.NumberColumn("error", format="percent",
-                                                   help="(predicted - measured) / measured")})
-    with right:
-        st.plotly_chart(charts.predicted_vs_measured(rows, report["objective"]), key="validated_objective")
-    others = [m for m in report["metrics"] if m != report["objective"]]
-    for i in range(0, len(others), 2):
-        for col, m in zip(st.columns(2), others[i:i + 2], strict=False):
+    st.dataframe(rows.drop(columns=["number", "baseline"]), hide_index=True, column_config={
+        "predicted": st.column_config.NumberColumn("predicted (sim)", format="%.4g"),
+        "measured": st.column_config.NumberColumn("measured (live)", format="%.4g"),
+        "error": st.column_config.NumberColumn("error", format="percent", help="(predicted - measured) / measured")})
+    metrics = report["metrics"]
+    for i in range(0, len(metrics), 2):
+        for col, m in zip(st.columns(2), metrics[i:i + 2], strict=False):
             with col:
                 st.plotly_chart(charts.predicted_vs_measured(rows, m), key=f"validated_{m}")
-
 
 finding()
 if info["backend"] == "sim":

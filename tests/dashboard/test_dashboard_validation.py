@@ -5,38 +5,12 @@ profile describes another machine), read back independently through the ORM."""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
 
 from dashboard.charts import label
-from db.models import Study, Trial, Validation, ValidationMetric
-from db.session import make_engine, session_scope
-from tuner.cli import main as tuner
-
-SIM = ["--model", "builtin:qwen3_moe-tiny", "--workload", "builtin:tiny", "--max-requests", "8", "--backend", "sim",
-       "--profile", "builtin:spr", "--trials", "3", "--confirm-repeats", "0", "--noise-repeats", "1", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def validated(tmp_path_factory, _moetune_cache):
-    """A database with two sim studies: ``checked`` (validated live, top 2) and ``unchecked``."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('dashboard-validate') / 'moetune.db'}"
-    for name in ("checked", "unchecked"):
-        assert tuner(["run", *SIM, "--study", name, "--db", url]) == 0
-    assert tuner(["validate", "--study", "checked", "--top", "2", "--force", "--db", url]) == 0
-    db = make_engine(url)
-    with session_scope(db) as s:
-        names = {n.rsplit("-", 1)[0]: n for n in s.scalars(select(Study.name))}
-        v = s.scalars(select(Validation)).one()
-        numbers = {t.id: t.number for t in s.scalars(select(Trial))}
-        stored = {(numbers[m.trial_id], m.metric): (m.predicted, m.measured)
-                  for m in s.scalars(select(ValidationMetric).where(ValidationMetric.validation_id == v.id))}
-        mismatch = v.mismatch
-    db.dispose()
-    return url, names, stored, mismatch
-
-
-def test_study_page_shows_predicted_against_measured(validated, page, kit):
-    url, names, stored, mismatch = validated
+def test_study_page_shows_predicted_against_measured(sim_validated, page, kit):
+    url, names, stored, mismatch = sim_validated
     at = page("study", url, study=names["checked"])
     text = kit.texts(at)
     assert "Simulated against live" in text and "Not validated live" not in text
@@ -66,8 +40,8 @@ def test_study_page_shows_predicted_against_measured(validated, page, kit):
     assert medians["median |error| capacity_rps"].endswith("%") and "Spearman capacity_rps" in medians
 
 
-def test_study_page_says_not_validated_live(validated, page, kit):
-    url, names, _, _ = validated
+def test_study_page_says_not_validated_live(sim_validated, page, kit):
+    url, names, _, _ = sim_validated
     at = page("study", url, study=names["unchecked"])
     assert "Not validated live" in kit.texts(at)
     assert not any(t.startswith("Predicted vs measured:") for t in kit.charts(at))
