@@ -128,6 +128,25 @@ def confirmed(conf: Mapping[str, Any]) -> go.Figure:
                         "interleaved runs")
 
 
+def predicted_vs_measured(rows: pd.DataFrame, metric: str) -> go.Figure:
+    """One metric of a validation: each trial's simulated figure against its live one, with the line
+    y = x on which a perfect prediction lies."""
+    done = rows[(rows["metric"] == metric)].dropna(subset=["predicted", "measured"])
+    fig = go.Figure()
+    if len(done):
+        lo = float(min(done["predicted"].min(), done["measured"].min()))
+        hi = float(max(done["predicted"].max(), done["measured"].max()))
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x (exact prediction)",
+                                 line={"dash": "dot", "color": BASELINE}, hoverinfo="skip"))
+    fig.add_trace(go.Scatter(
+        x=done["predicted"], y=done["measured"], mode="markers", name="trial", text=done["trial"],
+        customdata=done["error"], marker={"color": PALETTE[0], "size": 10},
+        hovertemplate="%{text}<br>predicted %{x:.4g}, measured %{y:.4g} (error %{customdata:+.1%})<extra></extra>"))
+    fig.update_xaxes(title=f"predicted (sim): {label(metric)}")
+    fig.update_yaxes(title=f"measured (live): {label(metric)}")
+    return _layout(fig, f"Predicted vs measured: {label(metric)}", height=320)
+
+
 def probes(df: pd.DataFrame, target: float | None, capacity_rps: float | None) -> go.Figure:
     """A trial's capacity probes: attainment against arrival rate, per measurement, with the target
     and the knee. Open markers: probes stopped once their verdict was certain (a bound)."""

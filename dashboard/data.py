@@ -393,6 +393,32 @@ def findings(url: str, study_name: str) -> dict[str, Any]:
         }
 
 
+#: Columns of :func:`validation`'s rows.
+VALIDATION_COLUMNS = ("trial", "number", "baseline", "metric", "predicted", "measured", "error")
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def validation(url: str, study_name: str) -> dict[str, Any] | None:
+    """The latest live validation of a simulated study (``tuner.validate.validation_report``, what
+    ``tuner validate`` printed), or None: the report under ``report`` and one row per trial and metric
+    under ``rows`` (:data:`VALIDATION_COLUMNS`: predicted, measured and the signed relative error)."""
+    from tuner.validate import validation_report
+
+    with Session(get_engine(url)) as s:
+        study = s.scalars(select(Study).where(Study.name == study_name)).one()
+        report = validation_report(s, study)
+    if report is None:
+        return None
+    rows = [{"trial": f"trial {t['trial']}" + (f" [{t['baseline']}]" if t["baseline"] else ""), "number": t["trial"],
+             "baseline": t["baseline"], "metric": m, "predicted": t["predicted"].get(m),
+             "measured": t["measured"].get(m), "error": t["error"].get(m)}
+            for t in report["trials"] for m in report["metrics"]]
+    frame = pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
+    for c in ("predicted", "measured", "error"):
+        frame[c] = frame[c].astype(float)
+    return {"report": report, "rows": frame}
+
+
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def search_values(url: str, study_id: int) -> pd.DataFrame:
     """Each trial's search on the whole workload (``mt_measurements``, purpose search, fidelity 1):

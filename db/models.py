@@ -4,8 +4,8 @@ Optuna's RDB storage lives in the same database and owns unprefixed tables (``st
 ``trials``, ``alembic_version``, ...), so every table of ours starts with ``mt_``. Migrations in
 ``db/migrations`` create these tables; a test checks that they match this module.
 
-Ownership: a study owns its trials, a trial owns its requests, steps, expert statistics and
-telemetry (``ON DELETE CASCADE``). Models and workloads are shared look-ups: deleting one that a
+Ownership: a study owns its trials and validations, a trial owns its requests, steps, expert
+statistics, telemetry and validated figures (``ON DELETE CASCADE``). Models and workloads are shared look-ups: deleting one that a
 study still uses is refused.
 """
 
@@ -136,6 +136,9 @@ class Study(Base):
     model: Mapped[Model] = relationship(back_populates="studies")
     workload: Mapped[Workload] = relationship(back_populates="studies")
     trials: Mapped[list[Trial]] = relationship(
+        back_populates="study", cascade="all, delete-orphan", passive_deletes=True
+    )
+    validations: Mapped[list[Validation]] = relationship(
         back_populates="study", cascade="all, delete-orphan", passive_deletes=True
     )
 
@@ -355,3 +358,60 @@ class TelemetryRow(Base):
     gpu_power_w: Mapped[float | None]
 
     trial: Mapped[Trial] = relationship(back_populates="telemetry")
+
+
+class Validation(Base):
+    """One ``tuner validate`` run: a simulated study's best trials re-run live on this machine, with the
+    measuring settings the study stored. ``session`` numbers a study's validations 1, 2, ..."""
+
+    __tablename__ = "mt_validations"
+    __table_args__ = (UniqueConstraint("study_id", "session"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("mt_studies.id", ondelete="CASCADE"))
+    session: Mapped[int]
+    top: Mapped[int]
+    """Trials asked for (``--top``); the metrics rows say which ran."""
+    repeats: Mapped[int]
+    """Live runs of each trial; the measured figure is their median."""
+    forced: Mapped[bool] = mapped_column(default=False)
+    """Run with ``--force`` although the profile's machine is not this one (``mismatch`` says why)."""
+    mismatch: Mapped[str | None] = mapped_column(Text)
+    profile: Mapped[JSONDict | None]
+    """The profile that priced the study (``Profile.describe()``)."""
+    hardware: Mapped[JSONDict]
+    """This machine, where the live runs ran (``engine.hwinfo.hardware``)."""
+    software: Mapped[JSONDict]
+    summary: Mapped[JSONDict | None]
+    """Median absolute error per metric and Spearman's rho of the objective over the trials."""
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+    study: Mapped[Study] = relationship(back_populates="validations")
+    metrics: Mapped[list[ValidationMetric]] = relationship(
+        back_populates="validation", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="ValidationMetric.id"
+    )
+
+
+class ValidationMetric(Base):
+    """One metric of one validated trial: what the simulator predicted and what the live runs measured."""
+
+    __tablename__ = "mt_validation_metrics"
+    __table_args__ = (UniqueConstraint("validation_id", "trial_id", "metric"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    validation_id: Mapped[int] = mapped_column(ForeignKey("mt_validations.id", ondelete="CASCADE"))
+    trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int]
+    """The trial's rank in the study (1: the best)."""
+    metric: Mapped[str] = mapped_column(String(64))
+    predicted: Mapped[float | None]
+    """The trial's simulated figure."""
+    measured: Mapped[float | None]
+    """The median of the live runs; None when none measured it (``note`` says why)."""
+    runs: Mapped[list[float] | None]
+    """Each live run's figure, in run order."""
+    note: Mapped[str | None] = mapped_column(Text)
+
+    validation: Mapped[Validation] = relationship(back_populates="metrics")

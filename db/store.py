@@ -37,6 +37,8 @@ from db.models import (
     Study,
     TelemetryRow,
     Trial,
+    Validation,
+    ValidationMetric,
     Workload,
     utcnow,
 )
@@ -451,6 +453,43 @@ def next_session(session: Session, study_id: int, purpose: str) -> int:
         MeasurementRow.study_id == study_id, MeasurementRow.purpose == purpose)
         .order_by(MeasurementRow.session.desc()).limit(1)).first()
     return 0 if last is None else int(last) + 1
+
+
+def add_validation(
+    session: Session,
+    study_id: int,
+    *,
+    top: int,
+    repeats: int,
+    forced: bool,
+    mismatch: str | None,
+    profile: Mapping[str, Any] | None,
+    hardware: Mapping[str, Any],
+    software: Mapping[str, Any],
+    summary: Mapping[str, Any] | None,
+    metrics: Iterable[Mapping[str, Any]],
+    started_at: Any = None,
+) -> int:
+    """Record one validation of a simulated study (the next session number) with its rows ``metrics``
+    (``trial_id``, ``rank``, ``metric``, ``predicted``, ``measured``, ``runs``, ``note``); returns its id."""
+    last = session.scalars(select(Validation.session).where(Validation.study_id == study_id)
+                           .order_by(Validation.session.desc()).limit(1)).first()
+    row = Validation(study_id=study_id, session=1 if last is None else int(last) + 1, top=int(top),
+                     repeats=int(repeats), forced=bool(forced), mismatch=mismatch,
+                     profile=json_safe(dict(profile)) if profile is not None else None,
+                     hardware=json_safe(dict(hardware)), software=json_safe(dict(software)),
+                     summary=json_safe(dict(summary)) if summary is not None else None,
+                     started_at=started_at or utcnow(), finished_at=utcnow())
+    session.add(row)
+    session.flush()
+    for m in metrics:
+        runs = m.get("runs")
+        session.add(ValidationMetric(
+            validation_id=row.id, trial_id=int(m["trial_id"]), rank=int(m["rank"]), metric=str(m["metric"]),
+            predicted=_finite(m.get("predicted")), measured=_finite(m.get("measured")),
+            runs=[_finite(v) for v in runs] if runs is not None else None, note=m.get("note")))
+    session.flush()
+    return row.id
 
 
 # -------------------------------------------------------------------------------- reading back

@@ -241,6 +241,20 @@ def sim_precisions(config: EngineConfig, profile: Profile, stored: str) -> tuple
     return (stored if native else compute), compute, native
 
 
+def has_weights(model: str) -> bool:
+    """Whether ``model`` names weights the live engine can load: ``builtin:<arch>-<preset>`` (made on
+    first use) or a directory with safetensors; ``shape:<name>`` and a directory holding only a
+    ``config.json`` describe a model without its weights."""
+    from engine.model.shapes import PREFIX
+
+    if model.startswith("builtin:"):
+        return True
+    if model.startswith(PREFIX):
+        return False
+    path = Path(model)
+    return path.is_dir() and (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists())
+
+
 def resolve_sim_model(model: str) -> tuple[ModelSpec, dict[str, Any], dict[str, Any], str]:
     """(spec, identity, description, stored precision) of ``shape:<name>``, a directory holding a
     ``config.json`` (weights or not) or ``builtin:<arch>-<preset>``. A directory without weights is
@@ -261,8 +275,7 @@ def resolve_sim_model(model: str) -> tuple[ModelSpec, dict[str, Any], dict[str, 
     if not model.startswith("builtin:"):
         if not path.is_dir():
             raise CheckpointError(f"{path}: not a model directory (or use shape:<name>)")
-        has_weights = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
-        if not has_weights:
+        if not has_weights(model):
             cfg, spec = read_config(path)
             fingerprint = f"config:{config_fingerprint(cfg)}"
             described = {"path": str(path), "arch": spec.arch, "dtype": _stored_name(cfg), "layout": "config only",
@@ -288,4 +301,4 @@ def _stored_name(cfg: dict[str, Any]) -> str:
     return str(name)
 
 
-__all__ = ["GIB", "PRECISIONS", "ProfileError", "SimBackend", "resolve_sim_model", "sim_precisions"]
+__all__ = ["GIB", "PRECISIONS", "ProfileError", "SimBackend", "has_weights", "resolve_sim_model", "sim_precisions"]

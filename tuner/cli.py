@@ -4,6 +4,7 @@
     tuner run --model DIR --workload W --slo ttft_p99_ms=2000 --slo tpot_p99_ms=200 --timeout 8h
     tuner confirm --study NAME     # re-run the top configs and every baseline, interleaved
     tuner show --study NAME        # noise, confirmed gains with intervals, best trials
+    tuner validate --study NAME    # a --backend sim study's best trials re-run live: predicted against measured
     tuner export --study NAME --out best.json && engine run --config best.json
     tuner list | tuner dashboard
     tuner worker --db postgresql+psycopg://USER@HOST/DB --study NAME   # one more worker on a study
@@ -359,6 +360,50 @@ def cmd_confirm(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------------------- validate
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """``tuner validate``: re-run a simulated study's best trials live here; predicted against measured."""
+    from db.session import make_engine, mask_url, resolve_url, session_scope, upgrade
+    from engine.hwinfo import hardware
+    from tuner.report import print_validation
+    from tuner.validate import plan, validate_study
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: must be >= 1")
+    url = resolve_url(args.db)
+    readonly = _readonly_db(url)
+    with session_scope(readonly) as s:  # every refusal before anything is created or migrated
+        plan(s, args.study, top=args.top, force=args.force, here=hardware())
+    readonly.dispose()
+    upgrade(url)
+    db = make_engine(url)
+    say = print if not args.json else (lambda *a, **k: print(*a, **k, file=sys.stderr))
+    say(f"tuner: validating study {args.study} in {mask_url(url)}")
+    report = validate_study(db, args.study, top=args.top, repeats=args.repeats, force=args.force, say=say)
+    print_validation(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _validate_parser(sub: Any, db_arg: Any) -> None:
+    from tuner.validate import DEFAULT_REPEATS, DEFAULT_TOP
+
+    v = sub.add_parser("validate", help="re-run a simulated study's best trials live here; store predicted "
+                                        "against measured")
+    v.add_argument("--study", required=True, help="a study run with --backend sim")
+    v.add_argument("--top", type=int, default=DEFAULT_TOP, help=f"best complete trials to re-run (default {DEFAULT_TOP})")
+    v.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"interleaved live runs of each; the measured figure is their median (default {DEFAULT_REPEATS})")
+    v.add_argument("--force", action="store_true",
+                   help="validate although the study's profile does not describe this machine (recorded as forced)")
+    v.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    db_arg(v)
+    v.set_defaults(fn=cmd_validate)
+
+
 def _report(db: Any, name: str, url: str | None = None, top: int = 5) -> dict[str, Any]:
     from db.session import session_scope
     from tuner.export import find_study, study_report
@@ -562,6 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     db_arg(e)
     e.set_defaults(fn=cmd_export)
+
+    _validate_parser(sub, db_arg)
 
     ls = sub.add_parser("list", help="every study in the database")
     ls.add_argument("--json", action="store_true")

@@ -167,6 +167,8 @@ def study_report(session: Session, study: Study, top: int = 5) -> dict[str, Any]
     conf = findings.confirmation(session, study) if len(objectives) == 1 else None
     noise = findings.noise_summary(session, study)
     values = findings.searched_values(session, study)
+    from tuner.validate import validation_report  # it ranks trials with this module's ranked_trials
+
     return json_safe({
         "study": study.name,
         "settings": study.settings,
@@ -179,6 +181,7 @@ def study_report(session: Session, study: Study, top: int = 5) -> dict[str, Any]
         "workload": {"name": study.workload.name, "source": study.workload.source,
                      "requests": study.workload.n_requests},
         "backend": study.backend,
+        "validation": validation_report(session, study) if study.backend == "sim" else None,
         "objectives": objectives,
         "directions": dirs,
         "slo": study.slo,

@@ -94,6 +94,9 @@ def print_report(report: Mapping[str, Any], say: Say = print) -> None:
         _print_confirmation(report, conf, say)
     else:
         _print_unconfirmed(report, say)
+    val = report.get("validation")
+    if val:
+        say(validation_line(val))
     imp = report.get("importance")
     if imp:
         say(f"parameter importance: {imp['message']}")
@@ -171,3 +174,52 @@ def _print_unconfirmed(report: Mapping[str, Any], say: Say) -> None:
                          "meets SLO": "yes" if b["feasible"] else "no", objectives[0]: b["objectives"].get(objectives[0]),
                          "gain (unconfirmed)": f"x{g:.2f}" if g is not None else "-"})
         say(table(rows, ["baseline", "trial", "state", "meets SLO", objectives[0], "gain (unconfirmed)"]))
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:+.1f}%"
+
+
+def validation_line(val: Mapping[str, Any]) -> str:
+    """One line: the latest live validation of a simulated study and its median errors."""
+    summary = val.get("summary") or {}
+    errs = ", ".join(f"{m} {fmt((summary.get(m) or {}).get('median_abs_error'), '.1%')}" for m in val["metrics"])
+    rho = (summary.get("spearman") or {}).get("rho")
+    forced = " (forced: the profile does not describe this machine)" if val.get("forced") else ""
+    return (f"validated live (session {val['session']}, {len(val['trials'])} trials x {val['repeats']} runs on "
+            f"{val.get('hardware_fingerprint')}){forced}: median |error| {errs}; Spearman {fmt(rho, '.2f')} "
+            f"(`tuner validate --study {val['study']}` re-runs it)")
+
+
+def print_validation(val: Mapping[str, Any], say: Say = print) -> None:
+    """The validation table: per trial and metric, predicted (simulated), measured (live median) and the
+    signed relative error; then the median absolute error per metric and Spearman's rho of the objective."""
+    profile = val.get("profile") or {}
+    say(f"\nvalidation {val['session']} of study {val['study']}: profile {profile.get('name')} (calibrated: "
+        f"{str(bool(profile.get('calibrated'))).lower()}) against live runs on this machine "
+        f"({val.get('hardware_fingerprint')}), {val['repeats']} run(s) each, median"
+        + (f"\nforced: {val['mismatch']}" if val.get("forced") else ""))
+    rows = []
+    for t in val["trials"]:
+        name = f"{t['trial']}" + (f" [{t['baseline']}]" if t.get("baseline") else "")
+        for m in val["metrics"]:
+            rows.append({"trial": name, "metric": m, "predicted": fmt(t["predicted"].get(m), ".4g"),
+                         "measured": fmt(t["measured"].get(m), ".4g"), "error": _pct(t["error"].get(m))})
+            name = ""
+        if t.get("note"):
+            rows.append({"trial": "", "metric": "note", "predicted": t["note"][:80]})
+    say(table(rows, ["trial", "metric", "predicted", "measured", "error"]))
+    summary = val.get("summary") or {}
+    parts = []
+    for m in val["metrics"]:
+        s = summary.get(m) or {}
+        target = s.get("target")
+        verdict = "" if target is None or s.get("met") is None else \
+            f" (target {target:.0%}: {'met' if s['met'] else 'missed'})"
+        parts.append(f"{m} {fmt(s.get('median_abs_error'), '.1%')}{verdict}")
+    say("median |error|: " + ", ".join(parts))
+    sp = summary.get("spearman") or {}
+    rho = sp.get("rho")
+    say(f"Spearman rank correlation of {sp.get('metric')}, predicted against measured, over {sp.get('n')} trials: "
+        + (f"{rho:.2f} (target {sp['target']:g}: {'met' if sp.get('met') else 'missed'})" if rho is not None
+           else "- (needs 3 or more trials whose figures differ)"))

@@ -1,5 +1,5 @@
 """Study: the confirmed finding first (each confirmed config's median and interval, the gain over every
-baseline), the noise of this machine, each trial's value with the noise band, optimisation history,
+baseline), a simulated study's figures against live runs (``tuner validate``), the noise of this machine, each trial's value with the noise band, optimisation history,
 Pareto front, parameter importance (or why there is none), parallel coordinates, SLO attainment and a
 sortable, filterable table of trials."""
 
@@ -92,7 +92,43 @@ def finding() -> None:
             st.plotly_chart(charts.per_trial(values, objectives[0], noise), key="per_trial")
 
 
+def validated() -> None:
+    """A simulated study: its best trials' predicted figures against live runs (``tuner validate``)."""
+    st.subheader("Simulated against live")
+    got = data.validation(url, info["name"])
+    if got is None:
+        st.info(f"Not validated live: these figures are the simulator's. `tuner validate --study {info['name']}` "
+                "re-runs the best trials on the machine the profile describes and stores predicted against measured.")
+        return
+    report, rows = got["report"], got["rows"]
+    profile = report["profile"] or {}
+    st.caption(f"Validation {report['session']}: profile {profile.get('name')} (calibrated: "
+               f"{str(bool(profile.get('calibrated'))).lower()}) against {report['repeats']} live run(s) of each of "
+               f"{len(report['trials'])} trials on machine {report['hardware_fingerprint']} (the median).")
+    if report["forced"]:
+        st.warning(f"Forced (--force): {report['mismatch']}")
+    summary = report["summary"] or {}
+    cols = st.columns(len(report["metrics"]) + 1)
+    for col, m in zip(cols, report["metrics"], strict=False):
+        s = summary.get(m) or {}
+        col.metric(f"median |error| {m}", ui.fmt(s.get("median_abs_error"), ".1%"),
+                   help=f"target {s['target']:.0%}" if s.get("target") is not None else None)
+    sp = summary.get("spearman") or {}
+    cols[-1].metric(f"Spearman {sp.get('metric')}", ui.fmt(sp.get("rho"), ".2f"),
+                    help="rank correlation of predicted and measured over the trials (needs 3 or more)")
+    st.dataframe(rows.drop(columns=["number", "baseline"]), hide_index=True, column_config={
+        "predicted": st.column_config.NumberColumn("predicted (sim)", format="%.4g"),
+        "measured": st.column_config.NumberColumn("measured (live)", format="%.4g"),
+        "error": st.column_config.NumberColumn("error", format="percent", help="(predicted - measured) / measured")})
+    metrics = report["metrics"]
+    for i in range(0, len(metrics), 2):
+        for col, m in zip(st.columns(2), metrics[i:i + 2], strict=False):
+            with col:
+                st.plotly_chart(charts.predicted_vs_measured(rows, m), key=f"validated_{m}")
+
 finding()
+if info["backend"] == "sim":
+    validated()
 progress()
 
 points = data.objective_points(url, info["id"], objectives)
@@ -120,8 +156,8 @@ if not complete.empty:
     if f["within_noise"]:
         st.subheader("Parameter importance")
         st.info(f"No ranking of knobs: the complete trials' {objectives[0]} spread no wider than the noise of "
-                f"this machine (the defaults' runs spread {noise['rel_spread']:.1%} over {noise['n']} runs), so any "
-                "ranking would be a ranking of noise.")
+                + (f"this machine (the defaults' runs spread {noise['rel_spread']:.1%} over {noise['n']} runs)"
+                   if noise else "this machine (they are all equal)") + ", so any ranking would be a ranking of noise.")
     elif "importances" in imp and imp["importances"]:
         st.plotly_chart(charts.importance(imp["importances"], objectives[0]), key="importance")
         st.caption(f"PED-ANOVA over {imp['n_trials']} complete trials (Optuna): how much each knob decides "

@@ -419,6 +419,24 @@ class Profile:
                    Processor.parse(f"{source}: host", d["host"]), device, link, inter, n, dict(measured))
 
 
+def machine_mismatch(described: dict[str, Any], here: dict[str, Any]) -> str | None:
+    """Why the machine a profile describes (``Profile.describe()``, as results store it) is not the machine
+    ``here`` (:func:`engine.hwinfo.hardware`), or None when it is. Only a profile calibrated here matches:
+    its ``hardware_fingerprint`` is this machine's (CPU model, cores, GPU). A datasheet profile names a
+    machine by its vendor's figures, which no fingerprint ties to a machine, so it never matches."""
+    name = described.get("name") or "unnamed"
+    fingerprint = described.get("hardware_fingerprint")
+    if fingerprint and fingerprint == here.get("fingerprint"):
+        return None
+    gpu = (here.get("gpu") or {}).get("name")
+    this = f"this machine is {here.get('cpu_model') or 'an unknown CPU'}" + (f" with {gpu}" if gpu else ", no GPU") \
+        + f" (hardware fingerprint {here.get('fingerprint')})"
+    machine = " + ".join(x for x in (described.get("device"), described.get("host")) if x) or "an unnamed machine"
+    if not described.get("calibrated") or not fingerprint:
+        return f"profile {name} is a datasheet profile of {machine}, not calibrated here; {this}"
+    return f"profile {name} was calibrated on another machine ({machine}, hardware fingerprint {fingerprint}); {this}"
+
+
 def load_profile(ref: str | Path) -> Profile:
     """A profile file, or ``builtin:<name>`` (:data:`BUILTIN`; ``builtin:<gpu>+<host>`` pairs them)."""
     text = str(ref)

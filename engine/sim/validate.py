@@ -48,6 +48,27 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """The signed relative error of a prediction, ``(predicted - measured) / measured`` (None without both
+    figures or with nothing measured)."""
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def median_abs_errors(errors: list[dict[str, float | None]], metrics: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per metric: the median absolute error over the rows that have one, its target (:data:`TARGETS`) and
+    whether it is met (None without a target or an error)."""
+    out: dict[str, dict[str, Any]] = {}
+    for m in metrics:
+        errs = [abs(e[m]) for e in errors if e.get(m) is not None]
+        med = float(np.median(errs)) if errs else None
+        target = TARGETS.get(m)
+        out[m] = {"median_abs_error": med, "target": target,
+                  "met": None if target is None or med is None else med <= target}
+    return out
+
+
 def draw_configs(profile: Any, n: int, seed: int, base: Any) -> list[tuple[dict[str, Any], Any]]:
     """``n`` configs ``(knob values, EngineConfig)`` drawn at random from the tuner's search space for
     the profile's hardware; draws the engine rejects are skipped (and logged)."""
@@ -146,19 +167,13 @@ def validate(model: str, workload: Any, profile: Any, n_configs: int, *, seed: i
             say(f"  skipped: {e}")
             continue
         lv, sv = _metrics(got.summary()), _metrics(priced.summary())
-        err = {m: (sv[m] - lv[m]) / lv[m] if lv[m] and sv[m] is not None else None for m in METRICS}
+        err = {m: relative_error(sv[m], lv[m]) for m in METRICS}
         say("  live " + ", ".join(f"{m} {lv[m]:.4g}" for m in METRICS if lv[m] is not None) + " | sim "
             + ", ".join(f"{m} {sv[m]:.4g}" for m in METRICS if sv[m] is not None) + " | error "
             + ", ".join(f"{m} {100 * err[m]:+.0f}%" for m in METRICS if err[m] is not None))
         rows.append({"config": changed, "config_hash": cfg.config_hash(), "live": lv, "sim": sv, "error": err,
                      "same_steps": len(got.steps) == len(priced.steps)})
-    summary: dict[str, Any] = {}
-    for m in METRICS:
-        errs = [abs(r["error"][m]) for r in rows if r["error"][m] is not None]
-        med = float(np.median(errs)) if errs else None
-        target = TARGETS.get(m)
-        summary[m] = {"median_abs_error": med, "target": target,
-                      "met": None if target is None or med is None else med <= target}
+    summary: dict[str, Any] = median_abs_errors([r["error"] for r in rows], METRICS)
     rho = spearman([r["live"]["output_tokens_per_s"] for r in rows], [r["sim"]["output_tokens_per_s"] for r in rows])
     summary["spearman_output_tokens_per_s"] = {"rho": rho, "target": SPEARMAN_TARGET,
                                                "met": None if rho is None else rho >= SPEARMAN_TARGET}

@@ -30,7 +30,7 @@ import pytest
 from sqlalchemy import select
 from streamlit.testing.v1 import AppTest
 
-from db.models import Study, Trial, Workload
+from db.models import Study, Trial, Validation, ValidationMetric, Workload
 from db.session import make_engine, session_scope
 from db.store import start_trial
 from engine.config import EngineConfig
@@ -83,6 +83,35 @@ def seed(tmp_path_factory: pytest.TempPathFactory, _moetune_cache: None) -> Seed
     live = next(n for n in names if n.startswith("live-"))
     pareto = next(n for n in names if n.startswith("pareto-"))
     return Seed(url=url, path=path, live=live, pareto=pareto, workload_dir=recorded)
+
+
+SIM_STUDY = ["--model", MODEL, "--workload", "builtin:tiny", "--max-requests", "8", "--backend", "sim",
+             "--profile", "builtin:spr", "--trials", "3", "--confirm-repeats", "0", "--noise-repeats", "1",
+             "--quiet"]
+"""Short simulated studies (`sim_validated`): realtime capacity on 8 requests, priced by a datasheet profile."""
+
+
+@pytest.fixture(scope="session")
+def sim_validated(tmp_path_factory, _moetune_cache):
+    """A database with two simulated studies of the tiny model (datasheet profile builtin:spr): ``checked``,
+    validated live with ``--top 2 --force``, and ``unchecked``; returns (url, short name -> full name,
+    (trial number, metric) -> (predicted, measured), the recorded mismatch)."""
+    from tuner.cli import main as tuner_main
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('dashboard-validate') / 'moetune.db'}"
+    for name in ("checked", "unchecked"):
+        assert tuner_main(["run", *SIM_STUDY, "--study", name, "--db", url]) == 0
+    assert tuner_main(["validate", "--study", "checked", "--top", "2", "--force", "--db", url]) == 0
+    db = make_engine(url)
+    with session_scope(db) as s:
+        names = {n.rsplit("-", 1)[0]: n for n in s.scalars(select(Study.name))}
+        v = s.scalars(select(Validation)).one()
+        numbers = {t.id: t.number for t in s.scalars(select(Trial))}
+        stored = {(numbers[m.trial_id], m.metric): (m.predicted, m.measured)
+                  for m in s.scalars(select(ValidationMetric).where(ValidationMetric.validation_id == v.id))}
+        mismatch = v.mismatch
+    db.dispose()
+    return url, names, stored, mismatch
 
 
 @pytest.fixture(scope="session")

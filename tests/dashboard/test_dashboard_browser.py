@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -48,18 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(seed, tmp_path_factory):
-    """``streamlit run dashboard/app.py`` on the seeded database; yields the base URL."""
+@contextmanager
+def _streamlit(db_path: Path, log_path: Path) -> Iterator[str]:
+    """``streamlit run dashboard/app.py`` on the database file ``db_path``; yields the base URL."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
     cmd = [sys.executable, "-m", "streamlit", "run", str(REPO / "dashboard" / "app.py"), "--server.headless", "true",
            "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
            "--server.fileWatcherType", "none", "--client.toolbarMode", "viewer"]
     with open(log_path, "w") as log:
-        # From the seed's directory with the default relative URL, as `tuner run` users have it.
-        proc = subprocess.Popen(cmd, env={**os.environ, "MOETUNE_DB": f"sqlite:///{seed.path.name}"},
-                                cwd=seed.path.parent, stdout=log, stderr=subprocess.STDOUT)
+        # From the database's directory with the default relative URL, as `tuner run` users have it.
+        proc = subprocess.Popen(cmd, env={**os.environ, "MOETUNE_DB": f"sqlite:///{db_path.name}"},
+                                cwd=db_path.parent, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -80,6 +81,13 @@ def server(seed, tmp_path_factory):
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(seed, tmp_path_factory):
+    """The app on the seeded database; yields the base URL."""
+    with _streamlit(seed.path, tmp_path_factory.mktemp("streamlit") / "streamlit.log") as base:
+        yield base
 
 
 def _views(seed) -> list[tuple[str, str, str, int]]:
@@ -114,6 +122,20 @@ def _save(page, path: Path, max_height: int) -> None:
     Image.open(path).convert("RGB").quantize(colors=128).save(path, optimize=True)
 
 
+def _open(page, url: str, heading: str, n_charts: int) -> str:
+    """Go to ``url``, wait until the page and at least ``n_charts`` plotly charts are drawn; the main text."""
+    page.goto(url)
+    page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=60_000)
+    page.wait_for_function(
+        """n => document.querySelectorAll('[data-testid="stSkeleton"]').length === 0
+               && document.querySelectorAll('.js-plotly-plot').length >= n
+               && !document.querySelector('[data-testid="stStatusWidget"]')""",
+        arg=n_charts, timeout=60_000)
+    page.wait_for_timeout(500)  # let plotly finish drawing before the screenshot
+    assert page.locator("[data-testid='stException']").count() == 0, f"{url}: an exception is shown"
+    return page.inner_text("[data-testid='stMain']")
+
+
 def test_every_page_renders_in_chromium(server, seed):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
@@ -121,17 +143,8 @@ def test_every_page_renders_in_chromium(server, seed):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 2400})
             for path, heading, text, n_charts in _views(seed):
-                page.goto(f"{server}/{path}")
-                page.get_by_role("heading", name=heading, exact=True).wait_for(timeout=60_000)
-                page.wait_for_function(
-                    """n => document.querySelectorAll('[data-testid="stSkeleton"]').length === 0
-                           && document.querySelectorAll('.js-plotly-plot').length >= n
-                           && !document.querySelector('[data-testid="stStatusWidget"]')""",
-                    arg=n_charts, timeout=60_000)
-                page.wait_for_timeout(500)  # let plotly finish drawing before the screenshot
+                body = _open(page, f"{server}/{path}", heading, n_charts)
                 name = path.split("?")[0] or "studies"
-                assert page.locator("[data-testid='stException']").count() == 0, f"{name}: an exception is shown"
-                body = page.inner_text("[data-testid='stMain']")
                 assert text in body, f"{name}: {text!r} not shown"
                 assert "Cannot open the results database" not in body
                 if name in ("studies", "study", "export"):  # tables draw on a canvas: check they are there
@@ -141,3 +154,21 @@ def test_every_page_renders_in_chromium(server, seed):
             browser.close()
     for name in ("study", "trial"):
         assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
+
+
+def test_a_validated_sim_study_renders_in_chromium(sim_validated, tmp_path):
+    url, names, _, _ = sim_validated
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with _streamlit(Path(url.removeprefix("sqlite:///")), tmp_path / "streamlit.log") as base, \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 2400})
+            body = _open(page, f"{base}/study?{urlencode({'study': names['checked']})}", "Study", 4)
+            assert "Simulated against live" in body and "Forced (--force)" in body
+            titles = page.locator(".gtitle").all_text_contents()  # SVG: no innerText
+            assert sum(t.startswith("Predicted vs measured") for t in titles) == 4, titles
+            _save(page, ARTIFACTS / "study-validated.png", max_height=2400)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "study-validated.png").stat().st_size > 10_000
