@@ -675,10 +675,16 @@ class ExpertCache:
         # Eviction order within a layer: LRU oldest use first; LFU fewest uses, then oldest (clocks never
         # tie among cached experts, so the key is unique).
         key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
-        key = np.where(cand, key, np.iinfo(np.int64).max)
-        rank = np.empty_like(key)
-        order = np.argsort(key, axis=1, kind="stable")
-        np.put_along_axis(rank, order, np.arange(self.n_experts)[None, :].repeat(self.n_layers, 0), axis=1)
+        # Ranks only where a layer evicts (nothing else reads them; a layer with room keeps rank 0, which
+        # is never below its need of 0 or less).
+        rank = np.zeros(self._last.shape, np.int64)
+        evicting = np.flatnonzero(need > 0)
+        if len(evicting):
+            sub = np.where(cand[evicting], key[evicting], np.iinfo(np.int64).max)
+            order = np.argsort(sub, axis=1, kind="stable")
+            ranks = np.empty_like(sub)
+            np.put_along_axis(ranks, order, np.broadcast_to(np.arange(self.n_experts), sub.shape), axis=1)
+            rank[evicting] = ranks
         victim = cand & (rank < need[:, None])
         n_vict = victim.sum(1)
         admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None])
