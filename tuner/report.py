@@ -120,7 +120,7 @@ def _print_confirmation(report: Mapping[str, Any], conf: Mapping[str, Any], say:
     rows = []
     for c in conf["configs"]:
         iv = c["interval"] or {}
-        rows.append({"trial": c["number"], "baseline": c["baseline"], f"{o} median": iv.get("median"),
+        rows.append({"trial": c["number"], "baseline": c["baseline"], f"{o} median": fmt(iv.get("median"), ".4g"),
                      "interval": f"{fmt(iv.get('lo'), '.4g')}-{fmt(iv.get('hi'), '.4g')}" if iv else "-",
                      "runs": iv.get("n"), "method": iv.get("method"), "search": c["search_value"]})
     say(table(rows, ["trial", "baseline", f"{o} median", "interval", "runs", "method", "search"]))

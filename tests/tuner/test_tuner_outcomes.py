@@ -138,3 +138,30 @@ def test_multi_objective_study_and_capacity(sqlite_url, tmp_path, capsys, kit, t
     met = [rps for _, rps, _, ok in probes if ok]
     assert capacity == 0 if not met else summary["capacity_lo_rps"] == pytest.approx(max(met))
     assert fidelity == 1.0 and measured_s > 0 and overhead_s >= 0
+
+
+def test_only_the_first_fidelity_has_the_early_stop_bar(sqlite_url, wire, monkeypatch):
+    """A trial the pruner promoted is searched on the whole workload from the best capacity so far, with
+    no early-stop probe at the best less the noise (a low rate: a long replay)."""
+    # Bounds every replay meets: both trials reach the search's ceiling at both fidelities, so the copy
+    # meets its bar and ties the best, and successive halving promotes it.
+    w = wire(sqlite_url, slo=["ttft_p99_ms=60000", "tpot_p99_ms=10000"], mode="realtime", name="rungs",
+             objectives=["capacity_rps"], rungs=(0.5, 1.0), max_requests=12)
+    calls = []
+    real = w.objective.measurer.measure
+
+    def measure(fidelity=1.0, **kw):
+        calls.append((fidelity, kw.get("incumbent_rps"), kw.get("start_rps")))
+        return real(fidelity, **kw)
+
+    monkeypatch.setattr(w.objective.measurer, "measure", measure)
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    w.study.enqueue_trial(point)  # the same config searched: competitive, so the pruner promotes it
+    run_trials(w.study, w.objective, 2)
+    baseline, searched = calls[:2], calls[2:]
+    assert all(inc is None for _, inc, _ in baseline)  # baselines are never stopped early
+    assert searched and searched[0][0] < 1.0 and searched[0][1] is not None  # the bar at the first fidelity
+    (whole,) = [c for c in searched if c[0] == 1.0]  # promoted: no bar, started at the best so far
+    assert whole[1] is None and whole[2] == pytest.approx(w.study.trials[0].user_attrs["rung_values"]["1"])
+    assert w.study.trials[1].state == TrialState.COMPLETE
