@@ -29,6 +29,7 @@ from engine.config import ConfigError, EngineConfig, inert_knobs
 from engine.model.arch import CheckpointError, ModelSpec, config_fingerprint, read_config
 from engine.moe.planning import tier_precisions
 from engine.moe.policy.execution import CostModel
+from engine.moe.policy.placement import Placement, ep_record, place_experts
 from engine.moe.policy.plan import LayerDecision, StepMoves
 from engine.precision import FLOAT_PRECISIONS, PRECISIONS, precision_of
 from engine.sequences import Sequence, StepLayout
@@ -54,9 +55,6 @@ class SimBackend(StubBackend):
         if stored_precision not in FLOAT_PRECISIONS:
             raise ConfigError(f"sim backend: stored_precision={stored_precision!r}: must be one of "
                               f"{', '.join(FLOAT_PRECISIONS)}")
-        if profile.devices > 1:
-            raise ConfigError(f"sim backend: profile {profile.name} has {profile.devices} devices; the engine runs "
-                              "one device (expert parallelism across devices is not priced)")
         self.profile = profile
         self.stored = stored_precision
         self.routing = routing or SyntheticRouting()
@@ -114,7 +112,18 @@ class SimBackend(StubBackend):
 
     def start(self, run: RunStart) -> None:
         super().start(run)
-        self.pricer = StepPricer(**self._pricer_args)
+        self.pricer = StepPricer(**self._pricer_args, placement=self._placement(run))
+
+    def _placement(self, run: RunStart) -> Placement | None:
+        """Expert parallelism: the experts' ranks, placed as the live engine places them (from the
+        workload's router trace, else the trace the run routes from, when the policy reads hotness)."""
+        p, spec = self._config.parallel, self._spec
+        if p.ep_size <= 1:
+            return None
+        source = run.trace if run.trace is not None else self._trace
+        hotness = source.hotness() if p.ep_placement != "contiguous" else None
+        return place_experts(p.ep_placement, p.ep_size, spec.n_experts, len(spec.moe_layers), hotness,
+                             p.redundant_experts)
 
     # ---------------------------------------------------------------------------------- requests
     def add(self, key: str, prompt: list[int], max_new_tokens: int) -> Sequence:
@@ -147,9 +156,9 @@ class SimBackend(StubBackend):
         self._cursor.pop(key, None)
 
     def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
-               counts: np.ndarray) -> float:
+               counts: np.ndarray, ids: np.ndarray | None = None) -> float:
         assert self.pricer is not None
-        return self.pricer.price(layout, decisions, moves, counts)
+        return self.pricer.price(layout, decisions, moves, counts, ids)
 
     # ------------------------------------------------------------------------------ what it did
     def describe(self) -> dict[str, Any]:
@@ -166,7 +175,9 @@ class SimBackend(StubBackend):
             "weight_dtype": FLOAT_PRECISIONS.get(self.loaded, self.loaded),
             "cpu_kernels": kernels,
             "hybrid": two_tier and not self.plain,
+            "ep_ranks": self._config.parallel.ep_size,
             "priced": True,
+            "ep_pricing": self._ep_pricing(),
             "calibrated": p.calibrated,
             "profile": p.describe(),
             "routing": self.routes.describe() if self.routes is not None else {"synthetic": False},
@@ -175,10 +186,23 @@ class SimBackend(StubBackend):
             "software": sim_software(),
         }
 
+    def _ep_pricing(self) -> dict[str, Any] | None:
+        """How expert parallelism is priced (None with one rank): the scheme and the interconnect."""
+        p, inter = self._config.parallel, self.profile.interconnect
+        if p.ep_size <= 1 or inter is None:
+            return None
+        return {"priced": True, "ranks": p.ep_size, "devices": self.profile.devices,
+                "combine": "ring all_reduce over the interconnect", "interconnect": inter.to_dict(),
+                "calibrated": self.profile.calibrated}
+
     def finish(self) -> RunTail:
         tail = super().finish()
         if self.pricer is not None:
             tail.extra_meta["sim"] = {"breakdown_s": self.pricer.summary(), "profile": self.profile.describe()}
+            if self.pricer.ep_stats is not None and self.pricer.placement is not None:
+                p = self._config.parallel
+                tail.extra_meta["ep"] = ep_record(self.pricer.placement, self.pricer.ep_stats, p.ep_combine_chunks,
+                                                  p.redundant_experts)
         return tail
 
 

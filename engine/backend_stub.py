@@ -198,16 +198,16 @@ class StubBackend:
         ctl = self.controller
         moves = ctl.end_step(counts if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
-        duration_s = self._price(layout, decisions, moves, counts)
+        duration_s = self._price(layout, decisions, moves, counts, ids)
         for seq in finished:
             self._finished(seq.key)
         return StepOutcome(duration_s, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced,
                            finished)
 
     def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
-               counts: np.ndarray) -> float:
-        """Seconds the step takes (``counts``: routed tokens per expert ``[L, E]``): the stub prices
-        nothing (the simulator does)."""
+               counts: np.ndarray, ids: np.ndarray | None = None) -> float:
+        """Seconds the step takes (``counts``: routed tokens per expert ``[L, E]``; ``ids``: the step's
+        routed experts ``[T, L, K]``, -1 where pruned): the stub prices nothing (the simulator does)."""
         return 0.0
 
     def _finished(self, key: str) -> None:

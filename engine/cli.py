@@ -158,6 +158,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(_table(rows, ["metric", "p50", "p90", "p99", "mean"], {c: ".1f" for c in ("p50", "p90", "p99", "mean")}))
     print(f"output {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
           f"{s['steps']} steps, peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB")
+    ep = meta.get("ep")
+    if ep:  # live ranks or simulated ones: the same record
+        print(f"expert parallelism: {ep['ranks']} ranks, {ep['placement']['policy']} placement; tokens per rank "
+              f"{ep['tokens_per_rank']}; imbalance (max/mean per layer) {ep['imbalance_mean']:.3f} mean, "
+              f"{ep['imbalance_max']:.3f} max; per step {ep['bytes_dispatched_per_step_mean'] / 1e6:.2f} MB "
+              f"dispatched, {ep['bytes_combined_per_step_mean'] / 1e6:.2f} MB combined")
     from engine.calibrate import memory_bandwidth_gbps
     from engine.roofline import run_roofline
 

@@ -25,7 +25,14 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model.checkpoint import Checkpoint
-from engine.moe.policy.placement import EPStats, Placement, assign_pairs, place_experts
+from engine.moe.policy.placement import (
+    EPStats,
+    Placement,
+    assign_pairs,
+    chunk_bounds,
+    ep_record,
+    place_experts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +107,8 @@ class EPExperts:
         local = np.where(owner == self.rank, index[np.maximum(ids, 0)], -1)  # [T, K] rows of w13/w2
         local_t = torch.from_numpy(local).to(h.device)
         n_local = self.w13[layer].shape[0]
-        chunks = max(1, min(self.chunks, t))
-        bounds = np.linspace(0, t, chunks + 1).round().astype(int).tolist()
+        bounds = chunk_bounds(t, self.chunks)
+        chunks = len(bounds) - 1
         out = torch.empty_like(h)
         pending = []
         with self._guard("the combine of a MoE layer"):
@@ -129,9 +136,7 @@ class EPExperts:
     def describe(self) -> dict:
         """The placement and the run's figures, JSON-able (rank 0's view of every rank)."""
         assert self.placement is not None
-        return {"combine": "all_reduce", "dispatch": "none (attention replicated: every rank holds every token)",
-                "combine_chunks": self.chunks, "redundant_experts": self.redundant,
-                "placement": self.placement.describe(), **self.stats.summary()}
+        return ep_record(self.placement, self.stats, self.chunks, self.redundant)
 
 
 class _NoGuard:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.precision import FLOAT_BYTES, expert_nbytes, weight_nbytes
-from engine.sim.profile import Grid, Link, Processor, Table
+from engine.sim.profile import Grid, Interconnect, Link, Processor, Table
 
 ACT_BYTES = 4.0
 """Bytes of one activation value the roofline counts (fp32 activations; a small term beside weights)."""
@@ -178,6 +178,16 @@ def transfer_s(link: Link, n_bytes: float, direction: str = "h2d", pinned: bool 
     else:
         raise ValueError(f"direction={direction!r}: must be 'h2d' or 'd2h'")
     return link.latency_s + n_bytes / bw
+
+
+def all_reduce_s(inter: Interconnect, n_bytes_per_rank: float, n_ranks: int) -> float:
+    """One ring all-reduce across ``n_ranks`` devices in which each rank sends ``n_bytes_per_rank``
+    (:func:`~engine.moe.policy.placement.step_traffic`'s combine figure): ``2 (N - 1)`` hops of the
+    interconnect's latency plus the bytes over its bandwidth per direction (every rank sends and
+    receives at once, so the ring's time is one rank's bytes over one link)."""
+    if n_ranks <= 1 or n_bytes_per_rank <= 0:
+        return 0.0
+    return 2 * (n_ranks - 1) * inter.latency_s + n_bytes_per_rank / inter.bytes_per_s
 
 
 def relative_speed(points: dict[float, float], at: float, default: float) -> float:

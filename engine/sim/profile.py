@@ -313,7 +313,8 @@ class Link:
 @dataclass(frozen=True)
 class Interconnect:
     """Accelerator <-> accelerator traffic: NVLink-style direct, or PCIe (through host memory on
-    consumer GPUs). Recorded for multi-device profiles; the engine runs one device, so nothing prices it yet."""
+    consumer GPUs): bandwidth per direction and latency per hop. Multi-device profiles need one; it
+    prices expert parallelism's all-reduce (:func:`engine.sim.cost.all_reduce_s`)."""
 
     kind: str  # "nvlink" | "pcie-p2p" | "pcie-host"
     bytes_per_s: float

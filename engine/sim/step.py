@@ -38,6 +38,20 @@ Overlap rules (what runs at the same time as what):
 6. Decode attention on the host (``decode_attention=host``): the step's q/k/v cross to the host and
    the outputs back per layer; prompt chunks attend on the device after their KV crosses back.
 
+7. Expert parallelism (``parallel.ep_size`` = N ranks, one device each; the live scheme of
+   :mod:`engine.parallel.ep`): dense products, attention, the lm head and the overheads run on
+   every rank at once on every token (replicated), so they are priced once. Each MoE layer: every
+   rank computes the pairs :func:`~engine.moe.policy.placement.assign_pairs` gives it (its own
+   experts' products as in rule 4, a replicated expert's tokens split between its copies), then the
+   ranks' partial outputs are summed by a ring all-reduce over the profile's ``interconnect``
+   (:func:`~engine.sim.cost.all_reduce_s`: ``2 (N - 1)`` latencies plus each rank's
+   :func:`~engine.moe.policy.placement.step_traffic` bytes over its bandwidth); the dispatch moves
+   nothing. With ``ep_combine_chunks`` = 1 a layer takes the slowest rank's compute plus the
+   all-reduce. With C > 1 chunks (:func:`~engine.moe.policy.placement.chunk_bounds`) each rank
+   computes its chunks one after the other (each chunk a call of its own over the chunk's rows) and
+   chunk c's all-reduce starts when every rank has computed chunk c and the previous chunk's
+   all-reduce is done, running beside the next chunks' compute; the layer ends with the last chunk's.
+
 The KV cache's growth by doubling and the scheduler's own work are in the fitted overheads, not
 priced apart. Pure: numpy and the standard library.
 """
@@ -55,6 +69,15 @@ from engine.config import EngineConfig
 from engine.model.arch import ModelSpec
 from engine.moe.policy.controller import PlanSettings, StepPlan
 from engine.moe.policy.execution import CostModel
+from engine.moe.policy.placement import (
+    CopyIndex,
+    EPStats,
+    Placement,
+    chunk_bounds,
+    chunk_loads,
+    place_experts,
+    step_traffic,
+)
 from engine.moe.policy.plan import WHERE, LayerDecision, StepMoves
 from engine.precision import FLOAT_BYTES
 from engine.sequences import StepLayout
@@ -76,6 +99,7 @@ class Breakdown:
     copies_s: float = 0.0
     overhead_s: float = 0.0
     waits_s: float = 0.0
+    ep_combine_s: float = 0.0  # expert parallelism: all-reduces not hidden behind expert compute
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -90,6 +114,7 @@ class _Layer:
     host: float = 0.0
     copies: float = 0.0
     queued: float = 0.0  # background copies to the copy engine's queue
+    combine: float = 0.0  # expert parallelism: the part of the layers' time after the slowest rank's compute
 
 
 @dataclass
@@ -114,6 +139,8 @@ class StepPricer:
     hybrid: bool
     breakdown: Breakdown = field(default_factory=Breakdown)
     backlog_s: float = 0.0
+    placement: Placement | None = None
+    """Expert parallelism (``parallel.ep_size`` > 1): which rank holds which experts (rule 7)."""
 
     def __post_init__(self) -> None:
         p, spec, cfg = self.profile, self.spec, self.config
@@ -182,6 +209,14 @@ class StepPricer:
         self.layer_fixed = f.layer_overhead_s * self.n_layers + (f.moe_layer_overhead_s * self.n_moe if self.hybrid
                                                                  else 0.0)
         self.attention_on_host = self.two_tier and x.decode_attention == "host"
+        self.ep_stats: EPStats | None = None
+        if self.placement is not None:
+            pl, inter = self.placement, p.interconnect
+            if pl.n_ranks > p.devices or inter is None or not self.two_tier:
+                raise ValueError(f"profile {p.name}: {p.devices} device(s) cannot run {pl.n_ranks} ranks")
+            self.ep_ranks, self.inter, self.ep_copies = pl.n_ranks, inter, CopyIndex.of(pl)
+            self.act_bytes = FLOAT_BYTES.get(c, 4)
+            self.ep_stats = EPStats(pl.n_ranks, self.n_moe, h, self.act_bytes)
 
     # ------------------------------------------------------------------------------------- tables
     def _lut(self, side: str, precision: str, fused: bool = False) -> np.ndarray:
@@ -201,9 +236,10 @@ class StepPricer:
 
     # ----------------------------------------------------------------------------------- one step
     def price(self, layout: StepLayout, decisions: Sequence[LayerDecision], moves: StepMoves | None,
-              counts: np.ndarray | None = None) -> float:
+              counts: np.ndarray | None = None, ids: np.ndarray | None = None) -> float:
         """Seconds of one step (and its share of the breakdown); ``counts``: the step's routed tokens
-        per expert ``[L, E]`` (read when every plan is trivial)."""
+        per expert ``[L, E]`` (read when every plan is trivial); ``ids``: its routed experts
+        ``[T, L, K]`` (-1 = pruned; read under expert parallelism with a chunked combine)."""
         b = self.breakdown
         t = layout.n_tokens
         sampled = len(layout.sampled)
@@ -211,7 +247,11 @@ class StepPricer:
                  + self.n_dense * self.mlp_lut[t] + self.lm_lut[min(sampled, len(self.lm_lut) - 1)])
         attention, att_copies = self._attention(layout)
         lay = _Layer()
-        if getattr(decisions, "trivial", False) or (decisions and all(d.trivial for d in decisions)):
+        if self.ep_stats is not None:  # every expert resident on its rank: plain plans (rule 7)
+            if counts is None:
+                counts = np.stack([d.counts for d in decisions])
+            self._ep_step(t, counts, ids, lay)
+        elif getattr(decisions, "trivial", False) or (decisions and all(d.trivial for d in decisions)):
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._trivial_step(t, counts, lay)
@@ -238,7 +278,44 @@ class StepPricer:
         b.copies_s += lay.copies + move_s + att_copies
         b.overhead_s += overhead
         b.waits_s += wait
+        b.ep_combine_s += lay.combine
         return total
+
+    def _ep_step(self, t: int, counts: np.ndarray, ids: np.ndarray | None, out: _Layer) -> None:
+        """Every MoE layer of a step under expert parallelism (rule 7); records each rank's pairs,
+        the imbalance and the bytes in :attr:`ep_stats` as the live engine's rank 0 does."""
+        assert self.ep_stats is not None and self.placement is not None
+        idx, n, lut = self.ep_copies, self.ep_ranks, self._lut("fast", self.plain_prec)
+        shares = idx.shares(counts)  # [copies] pairs each copy computes
+        loads = idx.by_rank(shares).astype(np.int64)  # [L, N]
+        self.ep_stats.add_step(loads, t)
+        h = self.spec.hidden_size
+        bounds = chunk_bounds(t, self.config.parallel.ep_combine_chunks)
+        if len(bounds) == 2:
+            call = self.grouped_call[min(t * self.k_run, self.slots_max)]
+            compute = idx.by_rank(lut[shares]) + np.where(loads > 0, call, 0.0)  # [L, N]
+            slowest = float(compute.max(axis=1).sum())
+            combine = self.n_moe * cost.all_reduce_s(self.inter, step_traffic(t, h, self.act_bytes, n)[1], n)
+            out.seconds += slowest + combine
+            out.fast += slowest
+            out.combine += combine
+            return
+        if ids is None:
+            raise ValueError("a chunked expert-parallel combine needs the step's routed ids")
+        rows = np.diff(np.asarray(bounds))
+        calls = np.asarray([self.grouped_call[min(int(r) * self.k_run, self.slots_max)] for r in rows])  # [C]
+        sums = np.asarray([cost.all_reduce_s(self.inter, step_traffic(int(r), h, self.act_bytes, n)[1], n)
+                           for r in rows])  # [C]
+        c = chunk_loads(ids, self.placement, bounds)  # [C, L, N, E]
+        x = lut[c].sum(axis=3) + np.where(c.sum(axis=3) > 0, calls[:, None, None], 0.0)  # [C, L, N]
+        done = np.cumsum(x, axis=0).max(axis=2)  # [C, L] every rank has computed chunk c of layer l
+        end = np.zeros(self.n_moe)
+        for ready, s in zip(done, sums.tolist(), strict=True):
+            end = np.maximum(end, ready) + s
+        slowest = float(done[-1].sum())
+        out.seconds += float(end.sum())
+        out.fast += slowest
+        out.combine += float(end.sum()) - slowest
 
     def _trivial_step(self, t: int, counts: np.ndarray, out: _Layer) -> None:
         """Every MoE layer's plan trivial (all routed experts resident, one micro-batch): all layers at once."""
@@ -443,11 +520,21 @@ def memory_need(spec: ModelSpec, config: EngineConfig, settings: PlanSettings, l
     """Why ``config`` does not fit the profile's memories (one line), or None: the fast tier holds the
     dense weights, the resident experts (all of them under ``residency=all``, else the budget) and
     replicas, the KV cache at full size (``max_batch_seqs`` x ``max_seq_len_tokens``, unless decode
-    attention keeps it on the host); with a device, the host holds every expert's host copy."""
-    s, r, x = config.scheduler, config.experts, config.execution
+    attention keeps it on the host); with a device, the host holds every expert's host copy. Under
+    expert parallelism (``parallel.ep_size`` = N, at most the profile's ``devices``) each device holds
+    the dense weights, the KV cache and its rank's expert copies (the placement's slots, which its
+    capacities fix whatever the hotness; the fullest rank counts)."""
+    s, r, x, par = config.scheduler, config.experts, config.execution, config.parallel
+    if par.ep_size > profile.devices:
+        return (f"parallel.ep_size={par.ep_size} exceeds profile {profile.name}'s devices={profile.devices} "
+                "(one device per rank)")
     wb = FLOAT_BYTES.get(loaded, 4)
     n_experts = spec.n_experts * len(spec.moe_layers)
     dense_bytes = (spec.total_params() - spec.expert_params() * n_experts) * wb
+    if par.ep_size > 1:  # the experts (copies) this device holds
+        n_moe = len(spec.moe_layers)
+        pl = place_experts(par.ep_placement, par.ep_size, spec.n_experts, n_moe, None, par.redundant_experts)
+        n_experts = max(sum(pl.slots(li)[rank] for li in range(n_moe)) for rank in range(par.ep_size))
     loaded_experts = settings.bytes_host * n_experts  # the experts as loaded
     kv = spec.kv_bytes_per_token(FLOAT_BYTES.get(compute, 4)) * s.max_batch_seqs * s.max_seq_len_tokens
     two_tier = profile.device is not None
@@ -466,7 +553,8 @@ def memory_need(spec: ModelSpec, config: EngineConfig, settings: PlanSettings, l
     fast = profile.fast
     gib = 2**30
     if fast_need > fast.mem_bytes:
-        return (f"the config needs {fast_need / gib:.1f} GiB on {fast.name} (dense weights {dense_bytes / gib:.1f}, "
+        where = fast.name if par.ep_size == 1 else f"each of {par.ep_size} {fast.name} (one rank's share)"
+        return (f"the config needs {fast_need / gib:.1f} GiB on {where} (dense weights {dense_bytes / gib:.1f}, "
                 f"experts {(on_fast + copies) / gib:.1f}, KV cache {kv / gib if kv_on_fast else 0:.1f}) of its "
                 f"{fast.mem_bytes / gib:.1f} GiB")
     if two_tier:

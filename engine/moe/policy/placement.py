@@ -17,7 +17,11 @@ contiguous runs, one per copy (:func:`~engine.moe.policy.replication.split_token
 :func:`rank_loads` gives the same per-rank counts from routed counts alone (what a backend without
 tensors has). :func:`step_traffic` prices one MoE layer's communication in bytes for the scheme the
 live engine runs (see its docstring), and :class:`EPStats` accumulates per-rank tokens, load
-imbalance (max / mean tokens per rank per layer) and bytes over a run, as both backends record them.
+imbalance (max / mean tokens per rank per layer) and bytes over a run, as both backends record them
+(:func:`ep_record` is the run's record, the same JSON from the live engine and the simulator).
+:func:`chunk_bounds` cuts a step's rows into the combine's chunks (``parallel.ep_combine_chunks``);
+:class:`CopyIndex` and :func:`chunk_loads` give the simulator each rank's tokens per expert, by the
+same split, without tensors.
 
 Pure and deterministic (numpy and the standard library).
 """
@@ -186,6 +190,66 @@ def rank_loads(counts: Sequence[int] | np.ndarray, placement: Placement, layer: 
     return out
 
 
+def chunk_bounds(n_tokens: int, chunks: int) -> list[int]:
+    """Row bounds of the combine's chunks of a ``n_tokens``-row step: ``chunks`` (at most one a row)
+    near-equal runs, ``[0, ..., n_tokens]``."""
+    c = max(1, min(int(chunks), int(n_tokens)))
+    return np.linspace(0, n_tokens, c + 1).round().astype(int).tolist()
+
+
+@dataclass(frozen=True)
+class CopyIndex:
+    """Every expert copy of a :class:`Placement` as flat arrays over (MoE layer, expert, copy): what
+    prices all MoE layers of a step at once. ``nth`` is the copy's position among its expert's
+    copies (the order of :attr:`Placement.copies`), ``n_copies`` the expert's copy count."""
+
+    n_layers: int
+    n_ranks: int
+    layer: np.ndarray
+    expert: np.ndarray
+    rank: np.ndarray
+    nth: np.ndarray
+    n_copies: np.ndarray
+
+    @classmethod
+    def of(cls, placement: Placement) -> CopyIndex:
+        rows = [(li, e, r, i, len(ranks)) for li in range(placement.n_layers)
+                for e, ranks in enumerate(placement.copies[li]) for i, r in enumerate(ranks)]
+        a = np.asarray(rows, np.int64).reshape(-1, 5)
+        return cls(placement.n_layers, placement.n_ranks, *(a[:, j].copy() for j in range(5)))
+
+    def shares(self, counts: np.ndarray) -> np.ndarray:
+        """Tokens each copy computes given the routed ``counts`` ``[MoE layers, E]``: the near-equal
+        split of :func:`~engine.moe.policy.replication.split_tokens` (the first ``n % copies`` copies
+        take one more), as :func:`rank_loads` and :func:`assign_pairs` split them."""
+        q, r = np.divmod(np.asarray(counts, np.int64)[self.layer, self.expert], self.n_copies)
+        return q + (self.nth < r)
+
+    def by_rank(self, values: np.ndarray) -> np.ndarray:
+        """Per-copy ``values`` summed per (MoE layer, rank): ``[MoE layers, ranks]`` float64."""
+        n = self.n_ranks
+        return np.bincount(self.layer * n + self.rank, weights=values,
+                           minlength=self.n_layers * n).reshape(self.n_layers, n)
+
+
+def chunk_loads(ids: np.ndarray, placement: Placement, bounds: Sequence[int]) -> np.ndarray:
+    """Pairs of each (combine chunk, MoE layer, rank, expert) of a step whose routed ids are ``ids``
+    ``[T, MoE layers, K]`` (-1 = skipped): ``[chunks, layers, ranks, E]`` int64. Each pair's rank is
+    :func:`assign_pairs`' (called for the layers with a replicated expert; the others read the only copy)."""
+    ids = np.asarray(ids, np.int64)
+    t, n_layers, _ = ids.shape
+    n, e = placement.n_ranks, placement.n_experts
+    primary = np.array([[c[0] for c in layer] for layer in placement.copies], np.int64)  # [L, E]
+    owner = primary[np.arange(n_layers)[None, :, None], np.maximum(ids, 0)]  # [T, L, K]
+    for li in range(n_layers):
+        if placement.replicas(li):
+            owner[:, li] = assign_pairs(ids[:, li], placement, li)
+    chunks = len(bounds) - 1
+    chunk = np.repeat(np.arange(chunks), np.diff(np.asarray(bounds)))[:, None, None]  # [T, 1, 1]
+    key = (((chunk * n_layers + np.arange(n_layers)[None, :, None]) * n + owner) * e + ids)[ids >= 0]
+    return np.bincount(key, minlength=chunks * n_layers * n * e).reshape(chunks, n_layers, n, e)
+
+
 def imbalance(loads: Sequence[int] | np.ndarray) -> float:
     """max / mean of per-rank loads (1.0 = perfectly balanced; 1.0 when nothing was routed)."""
     x = np.asarray(loads, dtype=np.float64)
@@ -233,6 +297,23 @@ class EPStats:
         self.steps = []
         self._step = {}
 
+    def add_step(self, loads: np.ndarray, n_tokens: int) -> None:
+        """Every MoE layer of a step at once (``loads`` ``[MoE layers, ranks]``), then :meth:`end_step`:
+        the same figures as :meth:`add_layer` layer by layer."""
+        x = np.asarray(loads, np.int64)
+        self.tokens += x
+        d, c = step_traffic(n_tokens, self.hidden, self.elem_bytes, self.n_ranks)
+        s = self._step
+        s["bytes_dispatched"] = s.get("bytes_dispatched", 0) + d * x.shape[0]
+        s["bytes_combined"] = s.get("bytes_combined", 0) + c * x.shape[0]
+        mean = x.mean(axis=1)
+        s.setdefault("imbalance", []).extend(np.where(mean > 0, x.max(axis=1) / np.where(mean > 0, mean, 1.0),
+                                                      1.0).tolist())
+        tok = s.setdefault("tokens_per_rank", [0] * self.n_ranks)
+        for r, m in enumerate(x.sum(axis=0).tolist()):
+            tok[r] += int(m)
+        self.end_step()
+
     def add_layer(self, layer: int, loads: np.ndarray, n_tokens: int) -> None:
         self.tokens[layer] += loads
         d, c = step_traffic(n_tokens, self.hidden, self.elem_bytes, self.n_ranks)
@@ -273,3 +354,11 @@ class EPStats:
             "bytes_combined_per_step_mean": float(np.mean(comb)) if n else 0.0,
             "steps": self.steps,
         }
+
+
+def ep_record(placement: Placement, stats: EPStats, combine_chunks: int, redundant: int) -> dict[str, Any]:
+    """A run's expert-parallel record (a result's ``meta["ep"]``), JSON-able: the scheme, the placement
+    and :meth:`EPStats.summary`; the live engine and the simulator write the same fields."""
+    return {"combine": "all_reduce", "dispatch": "none (attention replicated: every rank holds every token)",
+            "combine_chunks": combine_chunks, "redundant_experts": redundant,
+            "placement": placement.describe(), **stats.summary()}
