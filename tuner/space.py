@@ -381,6 +381,12 @@ def build_space(
         # More ranks than GPUs is a config error on CUDA (one GPU a rank): search the counts this machine has.
         fits = tuple(c for c in ep.search.choices if c <= max(gpus, 1))
         candidates["parallel.ep_size"] = dataclasses.replace(ep, search=dataclasses.replace(ep.search, choices=fits))
+        if any(c > 1 for c in fits):
+            # Expert parallelism runs every expert resident on its rank: the hybrid executor's knobs act
+            # only at one rank (the engine refuses them beside ep_size > 1, a trial spent for nothing).
+            for key, k in candidates.items():
+                if k.executor:
+                    when_of.setdefault(key, []).append(Condition(key, "parallel.ep_size", (1,)))
     params = [param_from_knob(k, tuple(c for c in when_of.get(k.key, ()) if c.parent in candidates))
               for k in candidates.values()]
     space = SearchSpace(tuple(_parents_first(params)), fixed, omitted)

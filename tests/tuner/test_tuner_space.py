@@ -227,3 +227,26 @@ def test_a_space_that_can_place_by_hotness_says_so():
     assert not build_space(HW, registry=plain).may_place_by_hotness(EngineConfig())
     # The start config itself may place by hotness, whatever is searched.
     assert build_space(HW, registry=plain).may_place_by_hotness(EngineConfig().replace(residency="static"))
+
+
+def test_with_expert_parallelism_searched_no_draw_pairs_it_with_a_hybrid_knob():
+    # Each rank runs its experts resident (no hybrid executor): a draw of ep_size 2 with, say, static
+    # residency is a config the engine refuses; the space keeps the executor's knobs to one rank.
+    space = build_space({**HW, "gpu": {"name": "NVIDIA H200", "count": 2}})
+    assert all(any(c.parent == "parallel.ep_size" and c.values == (1,) for c in space.param(k.key).when)
+               for k in knobs() if k.executor and k.key in space.keys)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    ranks = []
+    for _ in range(60):
+        trial = study.ask()
+        try:
+            config = space.to_config(space.sample(trial), EngineConfig())
+            config.validate()
+            ranks.append(config.parallel.ep_size)
+        except ConfigError as e:  # other refusals (lo precision equal to hi, ...) are the space's own
+            assert "parallel.ep_size" not in str(e)
+        study.tell(trial, 0.0)
+    assert {1, 2} <= set(ranks)
+    # One GPU: nothing conditions on the ranks (the space, and its hash, are as before).
+    one = build_space({**HW, "gpu": {"name": "NVIDIA H200", "count": 1}})
+    assert not any(c.parent == "parallel.ep_size" for p in one.params for c in p.when)
