@@ -21,6 +21,7 @@ PAGES = {
     "compare": "app_pages/compare.py",
     "workloads": "app_pages/workloads.py",
     "export": "app_pages/export.py",
+    "plans": "app_pages/plans.py",
 }
 LIVE_REFRESH_S = 10
 """How often a view of a running study re-reads the database."""
@@ -53,6 +54,33 @@ def require_database() -> str:
     if status["state"] == "empty":
         st.info(f"No studies yet: {status['message']}")
         st.markdown(START_A_STUDY)
+        st.stop()
+    return url
+
+
+START_A_PLAN = (
+    "Plan a model on machines that are not here, for example `engine plan --model shape:qwen3-30b-a3b "
+    "--profile builtin:rtx4090 --profile builtin:h100-pcie --max-requests 30` (simulated, no weights; add "
+    "`--db URL` for another database), then reload this page."
+)
+
+
+def require_plans() -> str:
+    """The URL of a readable database holding at least one ``engine plan`` run; otherwise explain and stop."""
+    try:
+        url = data.db_url()
+    except DatabaseError as e:
+        st.error(f"Cannot open the results database: {e}")
+        st.markdown(POINT_AT_DB)
+        st.stop()
+    status = data.plans_status(url)
+    if status["state"] == "error":
+        st.error(f"Cannot open the results database: {status['message']}")
+        st.markdown(POINT_AT_DB)
+        st.stop()
+    if status["state"] == "empty":
+        st.info(f"No plans yet: {status['message']}")
+        st.markdown(START_A_PLAN)
         st.stop()
     return url
 
