@@ -462,7 +462,8 @@ def _plan_figure(configs: pd.DataFrame, metric: str, y_title: str, title: str) -
     fig.update_xaxes(title="resident expert budget (GiB; all: every expert resident)", type="category",
                      categoryorder="array", categoryarray=categories)
     fig.update_yaxes(title=y_title, rangemode="tozero")
-    return _layout(fig, title, height=420)
+    # A dozen series: the legend goes beside the plot (under it, it would cover the axis title).
+    return _layout(fig, title, height=420, legend={"orientation": "v", "x": 1.02, "y": 1.0, "yanchor": "top"})
 
 
 def plan_capacity(configs: pd.DataFrame, title: str) -> go.Figure:

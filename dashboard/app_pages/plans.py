@@ -43,9 +43,8 @@ for profile in plan["profiles"]:
         suffix = " (uncalibrated profile, datasheet)"
         st.warning("uncalibrated profile (datasheet): its figures come from a data sheet, not from "
                    "`engine calibrate` on the machine; treat them as a ranking, not a promise.")
-    left, right = st.columns(2)
-    left.plotly_chart(charts.plan_capacity(mine, f"Capacity at the SLO: {name}{suffix}"), key=f"capacity-{name}")
-    right.plotly_chart(charts.plan_throughput(mine, f"Offline throughput: {name}{suffix}"), key=f"offline-{name}")
+    st.plotly_chart(charts.plan_capacity(mine, f"Capacity at the SLO: {name}{suffix}"), key=f"capacity-{name}")
+    st.plotly_chart(charts.plan_throughput(mine, f"Offline throughput: {name}{suffix}"), key=f"offline-{name}")
     unpriced = int(mine["error"].notna().sum())
     if unpriced:
         st.caption(f"{unpriced} config(s) could not be priced: the error column says why.")

@@ -172,3 +172,22 @@ def test_a_validated_sim_study_renders_in_chromium(sim_validated, tmp_path):
         finally:
             browser.close()
     assert (ARTIFACTS / "study-validated.png").stat().st_size > 10_000
+
+
+def test_the_plans_page_renders_in_chromium(planned, tmp_path):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with _streamlit(Path(planned.removeprefix("sqlite:///")), tmp_path / "streamlit.log") as base, \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 2400})
+            body = _open(page, f"{base}/plans", "Plans", 2)
+            assert "uncalibrated profile (datasheet)" in body and "Cannot open the results database" not in body
+            titles = page.locator(".gtitle").all_text_contents()  # SVG: no innerText
+            assert any(t.startswith("Capacity at the SLO: h100-pcie") for t in titles), titles
+            assert any(t.startswith("Offline throughput: h100-pcie") for t in titles), titles
+            assert page.locator("[data-testid='stDataFrame']").count() >= 2
+            _save(page, ARTIFACTS / "plans.png", max_height=2400)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "plans.png").stat().st_size > 10_000
