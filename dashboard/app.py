@@ -30,6 +30,7 @@ pages = [
     st.Page(PAGES["compare"], title="Compare", icon=":material/compare_arrows:", url_path="compare"),
     st.Page(PAGES["workloads"], title="Workloads", icon=":material/stacked_bar_chart:", url_path="workloads"),
     st.Page(PAGES["export"], title="Export", icon=":material/download:", url_path="export"),
+    st.Page(PAGES["plans"], title="Plans", icon=":material/query_stats:", url_path="plans"),
 ]
 page = st.navigation(pages)
 st.sidebar.caption(f"Results database (read-only): `{data.db_label()}`")

@@ -413,3 +413,64 @@ def drift(drift_tv: pd.DataFrame, window_tokens: int) -> go.Figure:
     fig.update_xaxes(title=f"window ({window_tokens} tokens each)")
     fig.update_yaxes(title="TV distance to the previous window", rangemode="tozero")
     return _layout(fig, "Expert popularity drift", height=320)
+
+
+#: A plan chart's colour per precision of resident experts, and line dash per missing-expert policy.
+PRECISION_COLOURS = {"auto": PALETTE[0], "int8": PALETTE[1], "int4": PALETTE[2]}
+MISSING_DASHES = {"host": "solid", "fetch": "dash", "auto": "dot"}
+ALL_RESIDENT = "all"
+
+
+def budget_labels(budget_gib: pd.Series) -> list[str]:
+    """A plan's budgets as printed: ``36.5``, or ``all`` where every expert is resident (no budget)."""
+    return [ALL_RESIDENT if pd.isna(b) else f"{b:.1f}" for b in budget_gib]
+
+
+def _plan_series(configs: pd.DataFrame) -> list[tuple[str, pd.DataFrame, dict[str, Any]]]:
+    """A plan's configs in the series its charts draw: one line per precision x missing-expert policy of the
+    coalesced rows without replicas, and marked points for the micro-batch and replica rows."""
+    out: list[tuple[str, pd.DataFrame, dict[str, Any]]] = []
+    plain = configs[(configs["expert_batching"] != "micro") & (configs["max_replicas"] == 0)]
+    for i, ((hi, missing), g) in enumerate(plain.groupby(["hi_precision", plain["missing_expert"].fillna("-")],
+                                                         sort=False)):
+        colour = PRECISION_COLOURS.get(hi, PALETTE[(3 + i) % len(PALETTE)])
+        name = f"{hi} experts, " + ("every expert resident" if missing == "-" else f"missing on {missing}")
+        out.append((name, g, {"mode": "lines+markers", "marker": {"color": colour, "size": 9},
+                              "line": {"color": colour, "dash": MISSING_DASHES.get(missing, "solid")}}))
+    for _, row in configs[configs["expert_batching"] == "micro"].iterrows():
+        name = f"micro-batches ({row['hi_precision']}, missing on {row['missing_expert'] or '-'})"
+        out.append((name, configs.loc[[row.name]], {"mode": "markers", "marker": {
+            "symbol": "square", "size": 13, "color": BASELINE, "line": {"width": 1, "color": "black"}}}))
+    for _, row in configs[configs["max_replicas"] > 0].iterrows():
+        name = f"{row['max_replicas']} replica(s) ({row['hi_precision']}, missing on {row['missing_expert'] or '-'})"
+        out.append((name, configs.loc[[row.name]], {"mode": "markers", "marker": {
+            "symbol": "diamond", "size": 13, "color": MET, "line": {"width": 1, "color": "black"}}}))
+    return out
+
+
+def _plan_figure(configs: pd.DataFrame, metric: str, y_title: str, title: str) -> go.Figure:
+    priced = configs.dropna(subset=[metric])
+    order = sorted({float(b) for b in priced["budget_gib"].dropna()})
+    categories = [f"{b:.1f}" for b in order] + ([ALL_RESIDENT] if priced["budget_gib"].isna().any() else [])
+    fig = go.Figure()
+    for name, g, style in _plan_series(priced):
+        g = g.assign(_x=budget_labels(g["budget_gib"]))
+        g = g.assign(_rank=[categories.index(x) for x in g["_x"]]).sort_values("_rank")
+        fig.add_trace(go.Scatter(x=g["_x"], y=g[metric], name=name, text=[f"config {s + 1}" for s in g["seq"]],
+                                 hovertemplate=f"%{{text}}: {name}<br>budget %{{x}} GiB, %{{y:.4g}}<extra></extra>",
+                                 **style))
+    fig.update_xaxes(title="resident expert budget (GiB; all: every expert resident)", type="category",
+                     categoryorder="array", categoryarray=categories)
+    fig.update_yaxes(title=y_title, rangemode="tozero")
+    # A dozen series: the legend goes beside the plot (under it, it would cover the axis title).
+    return _layout(fig, title, height=420, legend={"orientation": "v", "x": 1.02, "y": 1.0, "yanchor": "top"})
+
+
+def plan_capacity(configs: pd.DataFrame, title: str) -> go.Figure:
+    """Capacity at the plan's SLO against resident budget, one line per precision x missing-expert policy."""
+    return _plan_figure(configs, "capacity_rps", "capacity at the SLO (req/s)", title)
+
+
+def plan_throughput(configs: pd.DataFrame, title: str) -> go.Figure:
+    """Offline output tokens/s against resident budget, as :func:`plan_capacity`."""
+    return _plan_figure(configs, "offline_tokens_per_s", "offline output tokens/s", title)

@@ -45,6 +45,8 @@ from db.models import (
     ExpertStatRow,
     MeasurementRow,
     Model,
+    PlanConfig,
+    PlanRun,
     ProbeRow,
     RequestRow,
     StepRow,
@@ -870,3 +872,70 @@ def export_text(url: str, study_name: str, rank: int = 1) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         return write_export(data, Path(tmp) / "export.json").read_text()
 
+
+
+# ------------------------------------------------------------------------------------- plans
+
+#: Columns of a plan's configs as ``engine plan`` prints them (the page's table and the charts read these).
+PLAN_COLUMNS = ("profile", "budget_gib", "hi_precision", "missing_expert", "expert_batching", "max_replicas",
+                "offline_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms", "capacity_rps", "capacity_bounded", "error")
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def plans_status(url: str) -> dict[str, Any]:
+    """``{"state": "ok" | "error" | "empty", "message": ..., "plans": n}`` for ``url`` (studies play no part)."""
+    where = mask_url(url)
+    try:
+        if not inspect(get_engine(url)).has_table(PlanRun.__tablename__):
+            return {"state": "empty", "plans": 0, "message": f"{where} has no plan tables yet."}
+        n = _scalar(url, select(func.count()).select_from(PlanRun))
+    except (DatabaseError, SQLAlchemyError) as e:
+        return {"state": "error", "plans": 0, "message": " ".join(str(e).split())[:400]}
+    if not n:
+        return {"state": "empty", "plans": 0, "message": f"{where} holds no plan yet."}
+    return {"state": "ok", "plans": int(n), "message": where}
+
+
+def profiles_label(profiles: list[Any] | None) -> str:
+    """``h100-pcie (datasheet), rtx4090 (datasheet)``: each profile, uncalibrated ones marked."""
+    return ", ".join(f"{p.get('name')}{'' if p.get('calibrated') else ' (datasheet)'}" for p in profiles or [])
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def plans_overview(url: str) -> pd.DataFrame:
+    """One row per stored plan, newest first: what was planned, on which profiles, configs priced and
+    unpriced, the best capacity (aggregated in SQL)."""
+    per_plan = (
+        select(PlanConfig.plan_id, func.count().label("configs"),
+               func.sum(case((PlanConfig.error.is_not(None), 1), else_=0)).label("unpriced"),
+               func.max(PlanConfig.capacity_rps).label("best_capacity_rps"),
+               func.max(PlanConfig.offline_tokens_per_s).label("best_offline_tokens_per_s"))
+        .group_by(PlanConfig.plan_id).subquery()
+    )
+    stmt = (
+        select(PlanRun.id, PlanRun.model, PlanRun.workload, PlanRun.n_requests, PlanRun.slo, PlanRun.profiles,
+               PlanRun.wall_s, PlanRun.created_at,
+               *[func.coalesce(per_plan.c[c], 0).label(c) for c in ("configs", "unpriced")],
+               per_plan.c.best_capacity_rps, per_plan.c.best_offline_tokens_per_s)
+        .outerjoin(per_plan, per_plan.c.plan_id == PlanRun.id)
+        .order_by(PlanRun.created_at.desc(), PlanRun.id.desc())
+    )
+    df = _frame(url, stmt)
+    if df.empty:
+        return df
+    df["slo"] = df["slo"].map(slo_label)
+    df["profiles_label"] = df["profiles"].map(profiles_label)
+    for column in ("best_capacity_rps", "best_offline_tokens_per_s"):
+        df[column] = df[column].astype(float)
+    return df
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def plan_configs(url: str, plan_id: int) -> pd.DataFrame:
+    """Every config of plan ``plan_id`` in printed order (:data:`PLAN_COLUMNS` and ``knobs``)."""
+    stmt = (select(PlanConfig.seq, PlanConfig.knobs, *[getattr(PlanConfig, c) for c in PLAN_COLUMNS])
+            .where(PlanConfig.plan_id == plan_id).order_by(PlanConfig.seq))
+    df = _frame(url, stmt)
+    for column in ("budget_gib", "offline_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms", "capacity_rps"):
+        df[column] = df[column].astype(float)
+    return df

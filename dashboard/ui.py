@@ -21,6 +21,7 @@ PAGES = {
     "compare": "app_pages/compare.py",
     "workloads": "app_pages/workloads.py",
     "export": "app_pages/export.py",
+    "plans": "app_pages/plans.py",
 }
 LIVE_REFRESH_S = 10
 """How often a view of a running study re-reads the database."""
@@ -37,24 +38,41 @@ START_A_STUDY = (
 )
 
 
-def require_database() -> str:
-    """The URL of a readable database holding at least one study; otherwise explain and stop."""
+def _require(status: Any, nothing: str, how: str) -> str:
+    """The database URL when ``status(url)`` says it holds what a page shows; otherwise explain and stop."""
     try:
         url = data.db_url()
     except DatabaseError as e:
         st.error(f"Cannot open the results database: {e}")
         st.markdown(POINT_AT_DB)
         st.stop()
-    status = data.database_status(url)
-    if status["state"] == "error":
-        st.error(f"Cannot open the results database: {status['message']}")
+    state = status(url)
+    if state["state"] == "error":
+        st.error(f"Cannot open the results database: {state['message']}")
         st.markdown(POINT_AT_DB)
         st.stop()
-    if status["state"] == "empty":
-        st.info(f"No studies yet: {status['message']}")
-        st.markdown(START_A_STUDY)
+    if state["state"] == "empty":
+        st.info(f"{nothing}: {state['message']}")
+        st.markdown(how)
         st.stop()
     return url
+
+
+def require_database() -> str:
+    """The URL of a readable database holding at least one study; otherwise explain and stop."""
+    return _require(data.database_status, "No studies yet", START_A_STUDY)
+
+
+START_A_PLAN = (
+    "Plan a model on machines that are not here, for example `engine plan --model shape:qwen3-30b-a3b "
+    "--profile builtin:rtx4090 --profile builtin:h100-pcie --max-requests 30` (simulated, no weights; add "
+    "`--db URL` for another database), then reload this page."
+)
+
+
+def require_plans() -> str:
+    """The URL of a readable database holding at least one ``engine plan`` run; otherwise explain and stop."""
+    return _require(data.plans_status, "No plans yet", START_A_PLAN)
 
 
 def pick_study(url: str) -> dict[str, Any]:

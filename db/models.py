@@ -6,7 +6,7 @@ Optuna's RDB storage lives in the same database and owns unprefixed tables (``st
 
 Ownership: a study owns its trials and validations, a trial owns its requests, steps, expert
 statistics, telemetry and validated figures (``ON DELETE CASCADE``). Models and workloads are shared look-ups: deleting one that a
-study still uses is refused.
+study still uses is refused. A plan (``engine plan``) stands alone and owns its priced configs.
 """
 
 from __future__ import annotations
@@ -415,3 +415,71 @@ class ValidationMetric(Base):
     note: Mapped[str | None] = mapped_column(Text)
 
     validation: Mapped[Validation] = relationship(back_populates="metrics")
+
+
+class PlanRun(Base):
+    """One ``engine plan`` run: a grid of hybrid knobs of one model priced by the simulator on one or more
+    hardware profiles (``engine/sim/plan.py``). Stands apart from studies: no trial, no Optuna study."""
+
+    __tablename__ = "mt_plans"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(512))
+    """The model as the user named it (``shape:qwen3-30b-a3b``, a directory, ``builtin:...``)."""
+    workload: Mapped[str] = mapped_column(String(256))
+    """The workload's name."""
+    workload_source: Mapped[str | None] = mapped_column(String(1024))
+    """The workload as the user named it (``--workload``)."""
+    n_requests: Mapped[int]
+    """Requests replayed per simulated run (``--max-requests`` or the whole workload)."""
+    slo: Mapped[JSONDict]
+    """The SLO of the capacity column (``SloSpec.to_dict()``: bounds and attainment target)."""
+    profiles: Mapped[list[Any]]
+    """Each profile priced, in order: ``Profile.describe()`` (name, ``calibrated``, source, host, device)
+    plus ``fast`` (the device, or the host of a CPU-only profile)."""
+    base_config: Mapped[JSONDict]
+    """The engine config the grid's knob overrides apply to (``EngineConfig.to_dict()``)."""
+    software: Mapped[JSONDict]
+    wall_s: Mapped[float]
+    """Wall-clock seconds of the whole plan."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    configs: Mapped[list[PlanConfig]] = relationship(
+        back_populates="plan", cascade="all, delete-orphan", passive_deletes=True, order_by="PlanConfig.seq"
+    )
+
+
+class PlanConfig(Base):
+    """One priced config of a plan: its profile, knob overrides and every figure ``engine plan`` prints."""
+
+    __tablename__ = "mt_plan_configs"
+    __table_args__ = (UniqueConstraint("plan_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    plan_id: Mapped[int] = mapped_column(ForeignKey("mt_plans.id", ondelete="CASCADE"))
+    seq: Mapped[int]
+    """Position in the printed output (0 first, profiles in order)."""
+    profile: Mapped[str] = mapped_column(String(128))
+    """The profile's name (one of the plan's ``profiles``)."""
+    knobs: Mapped[JSONDict]
+    """The knob overrides of the plan's base config (``{}``: the base, every expert resident)."""
+    budget_gib: Mapped[float | None]
+    """Resident expert budget; None where every expert is resident (printed ``all``)."""
+    hi_precision: Mapped[str] = mapped_column(String(16))
+    missing_expert: Mapped[str | None] = mapped_column(String(16))
+    """Where a missing expert runs (host, fetch, auto); None where none is missing (printed ``-``)."""
+    expert_batching: Mapped[str] = mapped_column(String(16))
+    """``coalesced`` or ``micro``."""
+    max_replicas: Mapped[int]
+    offline_tokens_per_s: Mapped[float | None]
+    ttft_p99_ms: Mapped[float | None]
+    """p99 TTFT at the workload's own rate."""
+    tpot_p99_ms: Mapped[float | None]
+    capacity_rps: Mapped[float | None]
+    """The highest arrival rate meeting the SLO (0: even the lowest probed rate missed)."""
+    capacity_bounded: Mapped[bool | None]
+    """Whether a probe missed above it (False: a lower bound, no probe missed)."""
+    error: Mapped[str | None] = mapped_column(Text)
+    """Why the config could not be priced (its figures are then None)."""
+
+    plan: Mapped[PlanRun] = relationship(back_populates="configs")

@@ -31,6 +31,8 @@ from db.models import (
     ExpertStatRow,
     MeasurementRow,
     Model,
+    PlanConfig,
+    PlanRun,
     ProbeRow,
     RequestRow,
     StepRow,
@@ -490,6 +492,49 @@ def add_validation(
             runs=[_finite(v) for v in runs] if runs is not None else None, note=m.get("note")))
     session.flush()
     return row.id
+
+
+def add_plan(
+    session: Session,
+    *,
+    model: str,
+    workload: str,
+    workload_source: str | None,
+    n_requests: int,
+    slo: Mapping[str, Any],
+    profiles: Iterable[Mapping[str, Any]],
+    base_config: Mapping[str, Any],
+    software: Mapping[str, Any],
+    wall_s: float,
+    rows: Iterable[Mapping[str, Any]],
+    created_at: Any = None,
+) -> int:
+    """Record one ``engine plan`` run with its priced configs; returns the plan's id.
+
+    ``rows`` are :func:`engine.sim.plan.plan`'s, in printed order: ``profile``, ``knobs``, ``budget_gib``
+    (``"all"`` where every expert is resident), ``hi``, ``missing`` (``"-"`` where none is), ``batching``,
+    ``replicas``, the figures, and ``error`` where the config could not be priced.
+    """
+    plan = PlanRun(model=str(model), workload=str(workload), workload_source=workload_source,
+                   n_requests=int(n_requests), slo=json_safe(dict(slo)),
+                   profiles=[json_safe(dict(p)) for p in profiles], base_config=json_safe(dict(base_config)),
+                   software=json_safe(dict(software)), wall_s=float(wall_s), created_at=created_at or utcnow())
+    session.add(plan)
+    session.flush()
+    for seq, r in enumerate(rows):
+        budget = r.get("budget_gib")
+        missing = r.get("missing")
+        bounded = r.get("capacity_bounded")
+        session.add(PlanConfig(
+            plan_id=plan.id, seq=seq, profile=str(r["profile"]), knobs=json_safe(dict(r.get("knobs") or {})),
+            budget_gib=None if budget in (None, "all") else float(budget), hi_precision=str(r.get("hi", "auto")),
+            missing_expert=None if missing in (None, "-") else str(missing),
+            expert_batching=str(r.get("batching", "coalesced")), max_replicas=int(r.get("replicas", 0)),
+            offline_tokens_per_s=_finite(r.get("offline_tokens_per_s")), ttft_p99_ms=_finite(r.get("ttft_p99_ms")),
+            tpot_p99_ms=_finite(r.get("tpot_p99_ms")), capacity_rps=_finite(r.get("capacity_rps")),
+            capacity_bounded=None if bounded is None else bool(bounded), error=r.get("error")))
+    session.flush()
+    return plan.id
 
 
 # -------------------------------------------------------------------------------- reading back

@@ -319,6 +319,7 @@ def cmd_validate_sim(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
+    from datetime import UTC, datetime
 
     from engine.sim.plan import plan
     from engine.sim.profile import load_profile
@@ -343,12 +344,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if slo.attainment_target is None:
         raise ConfigError(f"--slo {' '.join(args.slo)}: capacity needs a per-request latency bound "
                           "(ttft_p99_ms, tpot_p99_ms or e2e_p99_ms)")
+    if args.no_db and args.db:
+        raise ConfigError(f"--db {args.db!r} with --no-db: pick one")
+    db = None
+    if not args.no_db:  # a bad URL or an unreachable server stops here, before any pricing
+        from db.session import make_engine, resolve_url, upgrade
+
+        url = resolve_url(args.db)
+        upgrade(url)
+        db = make_engine(url)
+    started_at = datetime.now(UTC)
     rows = plan(args.model, profiles, workload, base, max_requests=args.max_requests or None, progress=progress,
                 slo=slo)
+    wall_s = time.perf_counter() - t0
     n = min(len(workload.requests), args.max_requests or len(workload.requests))
     bounds = ", ".join(f"{k}={v:g}" for k, v in slo.bounds.items())
     print(f"model {args.model}; workload {workload.name} ({n} requests); SLO {bounds}, attainment "
-          f"{100 * slo.attainment_target:.0f} %; simulated, {time.perf_counter() - t0:.1f} s")
+          f"{100 * slo.attainment_target:.0f} %; simulated, {wall_s:.1f} s")
     for prof in profiles:
         mine = [r for r in rows if r["profile"] == prof.name]
         print(f"\n{prof.name}: {prof.fast.name} + {prof.host.name} (calibrated: {str(prof.calibrated).lower()})")
@@ -356,9 +368,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             "ttft_p99_ms", "tpot_p99_ms", "capacity_rps", "error"],
                      {"offline_tokens_per_s": ".1f", "ttft_p99_ms": ".0f", "tpot_p99_ms": ".1f",
                       "capacity_rps": ".2f", "budget_gib": ".1f"}))
+    described = [{**p.describe(), "fast": p.fast.name} for p in profiles]
+    plan_id = None
+    if db is not None:
+        from db.session import mask_url, session_scope
+        from db.store import add_plan
+        from engine.backend_sim import sim_software
+
+        try:
+            with session_scope(db) as s:
+                plan_id = add_plan(s, model=args.model, workload=workload.name, workload_source=args.workload,
+                                   n_requests=n, slo={**slo.to_dict(), "attainment_min": slo.attainment_target},
+                                   profiles=described, base_config=base.to_dict(), software=sim_software(),
+                                   wall_s=wall_s, rows=rows, created_at=started_at)
+        finally:
+            db.dispose()
+        print(f"\nstored as plan {plan_id} in {mask_url(db.url)} (dashboard: the Plans page)")
     if args.json:
-        print(json.dumps({"model": args.model, "workload": workload.name, "rows": rows,
-                          "profiles": [p.describe() for p in profiles]}))
+        print(json.dumps({"model": args.model, "workload": workload.name, "rows": rows, "profiles": described,
+                          "plan_id": plan_id}))
     return 0
 
 
@@ -699,6 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the capacity column's SLO bound (repeat), as `tuner run --slo` (default: the tuner's "
                          "latency bounds)")
     pl.add_argument("--quiet", action="store_true")
+    pl.add_argument("--db", help="store the plan in this results database, for the dashboard's Plans page "
+                                 "(default $MOETUNE_DB, else sqlite:///moetune.db)")
+    pl.add_argument("--no-db", action="store_true", help="store nothing (print only)")
     model_args(pl)
     pl.set_defaults(fn=cmd_plan)
 

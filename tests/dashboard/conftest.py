@@ -198,3 +198,18 @@ def trials_of(url: str, study: str) -> list[Trial]:
 def kit() -> SimpleNamespace:
     """The helpers above for test modules (``--import-mode=importlib`` cannot import conftest)."""
     return SimpleNamespace(charts=charts, texts=texts, trials_of=trials_of, REPO=REPO, APP=APP, MODEL=MODEL)
+
+
+PLAN = ["plan", "--model", "shape:olmoe-1b-7b", "--profile", "builtin:h100-pcie", "--workload", "builtin:tiny",
+        "--max-requests", "4", "--max-batch-seqs", "8", "--max-seq-len-tokens", "1024", "--quiet"]
+"""A small `engine plan` (`planned`): about 20 configs of the OLMoE shape on a datasheet profile, seconds."""
+
+
+@pytest.fixture(scope="session")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A database holding one real ``engine plan`` run and no study; returns its URL."""
+    from engine.cli import main as engine_main
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('dashboard-plan') / 'moetune.db'}"
+    _run(engine_main, [*PLAN, "--db", url])
+    return url

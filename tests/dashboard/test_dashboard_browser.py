@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import pytest
@@ -156,19 +157,37 @@ def test_every_page_renders_in_chromium(server, seed):
         assert (ARTIFACTS / f"{name}.png").stat().st_size > 10_000
 
 
+@contextmanager
+def _browser(db_url: str, log_path: Path) -> Iterator[tuple[str, Any]]:
+    """The app on the SQLite database ``db_url`` and a Chromium page; yields (base URL, page)."""
+    with _streamlit(Path(db_url.removeprefix("sqlite:///")), log_path) as base, sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield base, browser.new_page(viewport={"width": 1280, "height": 2400})
+        finally:
+            browser.close()
+
+
 def test_a_validated_sim_study_renders_in_chromium(sim_validated, tmp_path):
     url, names, _, _ = sim_validated
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with _streamlit(Path(url.removeprefix("sqlite:///")), tmp_path / "streamlit.log") as base, \
-            sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 2400})
-            body = _open(page, f"{base}/study?{urlencode({'study': names['checked']})}", "Study", 4)
-            assert "Simulated against live" in body and "Forced (--force)" in body
-            titles = page.locator(".gtitle").all_text_contents()  # SVG: no innerText
-            assert sum(t.startswith("Predicted vs measured") for t in titles) == 4, titles
-            _save(page, ARTIFACTS / "study-validated.png", max_height=2400)
-        finally:
-            browser.close()
+    with _browser(url, tmp_path / "streamlit.log") as (base, page):
+        body = _open(page, f"{base}/study?{urlencode({'study': names['checked']})}", "Study", 4)
+        assert "Simulated against live" in body and "Forced (--force)" in body
+        titles = page.locator(".gtitle").all_text_contents()  # SVG: no innerText
+        assert sum(t.startswith("Predicted vs measured") for t in titles) == 4, titles
+        _save(page, ARTIFACTS / "study-validated.png", max_height=2400)
     assert (ARTIFACTS / "study-validated.png").stat().st_size > 10_000
+
+
+def test_the_plans_page_renders_in_chromium(planned, tmp_path):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with _browser(planned, tmp_path / "streamlit.log") as (base, page):
+        body = _open(page, f"{base}/plans", "Plans", 2)
+        assert "uncalibrated profile (datasheet)" in body and "Cannot open the results database" not in body
+        titles = page.locator(".gtitle").all_text_contents()  # SVG: no innerText
+        assert any(t.startswith("Capacity at the SLO: h100-pcie") for t in titles), titles
+        assert any(t.startswith("Offline throughput: h100-pcie") for t in titles), titles
+        assert page.locator("[data-testid='stDataFrame']").count() >= 2
+        _save(page, ARTIFACTS / "plans.png", max_height=2400)
+    assert (ARTIFACTS / "plans.png").stat().st_size > 10_000

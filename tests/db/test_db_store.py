@@ -296,3 +296,37 @@ def test_one_metrics_table_feeds_columns_and_summaries(run_result_factory):
     assert all(canonical(old) == new and new in summary for old, new in LEGACY.items())
     with pytest.raises(ValueError, match="unknown metric 'ttft_p99_msec'; did you mean ttft_p99_ms"):
         canonical("ttft_p99_msec")
+
+
+def test_a_plan_with_an_unpriced_config_round_trips_and_cascades(engine):
+    """``add_plan`` on both backends: ``all`` and ``-`` become NULL, NaN becomes NULL, an error row keeps its
+    text with no figures, rows keep their order; deleting the plan deletes its configs."""
+    from db.models import PlanConfig, PlanRun
+    from db.store import add_plan
+
+    rows = [
+        {"profile": "big", "calibrated": True, "budget_gib": "all", "hi": "auto", "missing": "-",
+         "batching": "coalesced", "replicas": 0, "knobs": {}, "offline_tokens_per_s": 10.5,
+         "ttft_p99_ms": 20.25, "tpot_p99_ms": float("nan"), "capacity_rps": 3.0, "capacity_bounded": True},
+        {"profile": "big", "calibrated": True, "budget_gib": 4.5, "hi": "int4", "missing": "fetch",
+         "batching": "micro", "replicas": 1, "knobs": {"resident_budget_gib": 4.5, "hi_precision": "int4"},
+         "error": "resident_budget_gib=4.5: exceeds the device"},
+    ]
+    with session_scope(engine) as s:
+        plan_id = add_plan(s, model="shape:m", workload="w", workload_source=None, n_requests=3,
+                           slo={"ttft_p99_ms": 1000.0, "attainment_min": 0.9},
+                           profiles=[{"name": "big", "calibrated": True}], base_config={"scheduler": {}},
+                           software={"python": "3"}, wall_s=1.5, rows=rows)
+    with session_scope(engine) as s:
+        plan = s.get(PlanRun, plan_id)
+        first, second = plan.configs
+        assert (first.seq, first.budget_gib, first.missing_expert, first.tpot_p99_ms, first.capacity_bounded) == (
+            0, None, None, None, True)
+        assert (first.offline_tokens_per_s, first.ttft_p99_ms, first.capacity_rps) == (10.5, 20.25, 3.0)
+        assert (second.budget_gib, second.hi_precision, second.missing_expert, second.expert_batching,
+                second.max_replicas, second.knobs) == (4.5, "int4", "fetch", "micro", 1, rows[1]["knobs"])
+        assert second.error == rows[1]["error"] and second.capacity_rps is None and second.capacity_bounded is None
+        assert plan.profiles == [{"name": "big", "calibrated": True}] and plan.wall_s == 1.5
+        s.execute(delete(PlanRun).where(PlanRun.id == plan_id))
+    with session_scope(engine) as s:
+        assert s.scalar(select(func.count()).select_from(PlanConfig)) == 0

@@ -314,7 +314,7 @@ def test_tables_extrapolate_at_most_in_proportion_to_tokens():
 # ------------------------------------------------------------------------------------------ engine plan
 def _plan_rows(capsys, *slo: str) -> tuple[str, list[list[str]]]:
     args = ["plan", "--model", "shape:olmoe-1b-7b", "--profile", "builtin:h100-pcie", "--workload", "builtin:tiny",
-            "--max-requests", "6", "--max-batch-seqs", "8", "--max-seq-len-tokens", "1024", "--quiet"]
+            "--max-requests", "6", "--max-batch-seqs", "8", "--max-seq-len-tokens", "1024", "--quiet", "--no-db"]
     for s in slo:
         args += ["--slo", s]
     assert engine_main(args) == 0
@@ -324,7 +324,8 @@ def _plan_rows(capsys, *slo: str) -> tuple[str, list[list[str]]]:
     return head, table
 
 
-def test_plan_prices_capacity_at_the_slo_it_names(capsys):
+def test_plan_prices_capacity_at_the_slo_it_names(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --no-db: no moetune.db appears where it ran
     head, loose = _plan_rows(capsys, "ttft_p99_ms=4000", "tpot_p99_ms=400")
     assert "SLO ttft_p99_ms=4000, tpot_p99_ms=400, attainment 90 %" in head
     head, tight = _plan_rows(capsys, "ttft_p99_ms=20", "tpot_p99_ms=2")
@@ -334,6 +335,7 @@ def test_plan_prices_capacity_at_the_slo_it_names(capsys):
     # admits a higher rate, and a 2 ms TPOT admits none on these profiles.
     cap = [float(r[8]) for r in loose], [float(r[8]) for r in tight]
     assert all(t <= lo_ for lo_, t in zip(*cap, strict=True)) and max(cap[1]) == 0 and max(cap[0]) > 0
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_plan_refuses_an_slo_without_a_latency_bound(capsys):
