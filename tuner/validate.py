@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 #: Figures every validation compares besides the study's objectives.
 METRICS = ("output_tokens_per_s", "ttft_p99_ms", "tpot_p99_ms")
 DEFAULT_TOP = 3
-DEFAULT_REPEATS = 1
+#: Live runs of each trial (their median stands): one run of the same config moved by 1.2-1.8x within
+#: five minutes on the development machine, as much as the errors a validation looks for.
+DEFAULT_REPEATS = 3
 
 Say = Callable[[str], None]
 
