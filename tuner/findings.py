@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from db.models import MeasurementRow, ProbeRow, Study, Trial
@@ -85,12 +85,9 @@ def gain_over_zero(baseline: str, runs: int, best_lo: float, floor_rps: float | 
 def _lowest_rate_missed(session: Session, rows: Sequence[MeasurementRow]) -> float | None:
     """The highest, over measurements that met the target at no rate, of the lowest rate each probed
     (req/s): below it a capacity of 0 says nothing."""
-    lowest = []
-    for r in rows:
-        rates = [p for p in session.scalars(select(ProbeRow.rate_rps).where(ProbeRow.measurement_id == r.id))
-                 if p is not None]
-        if rates:
-            lowest.append(min(rates))
+    lowest = session.execute(select(func.min(ProbeRow.rate_rps))
+                             .where(ProbeRow.measurement_id.in_([r.id for r in rows]), ProbeRow.rate_rps.is_not(None))
+                             .group_by(ProbeRow.measurement_id)).scalars().all()
     return max(lowest) if lowest else None
 
 
