@@ -212,7 +212,10 @@ class Objective:
             trial.set_user_attr(ATTR_RUNGS, rung_values)
             if self.single and len(rungs) > 1:
                 trial.report(m.values[0], step=i + 1)  # successive halving's first rung is step 1
-                if not last and searched and trial.should_prune():
+                # Asking the pruner records the value as a competitor at this rung: a baseline asks too (and
+                # goes on whatever it says), so the first searched trials are measured against the baselines
+                # instead of being promoted for want of competitors.
+                if not last and trial.should_prune() and searched:
                     self._stop(trial, trial_id, "pruned",
                                f"{_fidelity(fidelity)}: {self.objectives[0]} {m.values[0]:.4g} is not among the best "
                                "at this fidelity (successive halving); not measured on the whole workload",

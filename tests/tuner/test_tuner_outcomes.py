@@ -122,6 +122,23 @@ def test_a_trial_pruned_on_the_first_rung_skips_the_quality_check(sqlite_url, wi
         assert searched.quality_top1_agreement is None
 
 
+def test_the_first_searched_trial_competes_with_the_baselines_at_the_first_rung(sqlite_url, wire):
+    """Successive halving measures a searched trial against every value at its rung, the baselines' too: a
+    first searched trial far below the defaults is cut on the prefix, not promoted for want of competitors."""
+    from workloads.synth import synth_workload
+
+    wl = synth_workload("batchy", 24, arrival="offline", prompt_len="uniform:8:16", output_len="16", seed=5)
+    w = wire(sqlite_url, mode="offline", name="competes", rungs=(0.5, 1.0), max_requests=None,
+             objectives=["output_tokens_per_s"], workload=wl)
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    w.study.enqueue_trial({**point, "scheduler.max_batch_seqs": 1})  # one sequence a step: far slower
+    run_trials(w.study, w.objective, 2)
+    (_, base_state, _), (_, state, error) = _rows(w.db)
+    assert base_state == "complete"
+    assert state == "pruned" and "not among the best at this fidelity" in error, error
+
+
 def test_multi_objective_study_and_capacity(sqlite_url, tmp_path, capsys, kit, tiny_workload):
     rc = main(["run", *kit.FAST, "--trials", "3", "--db", sqlite_url, "--study", "pareto",
                "--objectives", "output_tokens_per_s,tpot_p99_ms", "--quiet"])
