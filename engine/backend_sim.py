@@ -150,6 +150,21 @@ class SimBackend(StubBackend):
                 self._routes.setdefault(k, []).append((ids[first: first + n], gates[first: first + n]))
         return ids, gates
 
+    def _counts(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        if self.routes is None:
+            return super()._counts(owners)
+        keys = [k for k, _, _ in owners]
+        counts = [n for _, _, n in owners]
+        starts = [self._cursor.get(k, 0) for k in keys]
+        for k, at, n in zip(keys, starts, counts, strict=True):
+            self._cursor[k] = at + n
+        return self.routes.counts_many(keys, starts, counts)
+
+    def _price_reads_ids(self) -> bool:
+        # Expert parallelism with a chunked combine prices each chunk's rows (StepPricer._ep_step).
+        return self.pricer is not None and self.pricer.ep_stats is not None \
+            and self._config.parallel.ep_combine_chunks > 1
+
     def _finished(self, key: str) -> None:
         if self.routes is not None:
             self.routes.forget(key)

@@ -28,7 +28,7 @@ from engine.model.arch import ModelSpec
 from engine.moe.planning import plan_settings, tier_precisions
 from engine.moe.policy.controller import ResidencyController
 from engine.moe.policy.execution import CostModel
-from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves
+from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves, counts_by_layer
 from engine.moe.policy.routing import prune_routes
 from engine.precision import FLOAT_PRECISIONS, PRECISIONS
 from engine.results import ExpertStat
@@ -185,17 +185,23 @@ class StubBackend:
         layout = self.seqs.next_step()
         if not layout.segments:
             return StepOutcome(0.0, 0, 0, 0, [], [])
-        ids, gates = self._rows(layout.owners)  # [T, L, K]
         spec, rt = self._spec, self._config.routing
-        cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
-        if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
-            t, n_layers, k = ids.shape
-            _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32), ids.reshape(t * n_layers, k),
-                                        cut, rt.min_gate_weight)
-            ids = pruned.reshape(t, n_layers, k)
-        decisions, counts = self.controller.plan_step(ids)
-        self.stats.add_step(spec.moe_layers, counts)
         ctl = self.controller
+        ids: np.ndarray | None = None
+        if rt.top_k_override <= 0 and rt.min_gate_weight <= 0 and self._routes is None \
+                and not ctl.reads_ids(layout.n_tokens) and not self._price_reads_ids():
+            # Nothing this step reads the routed ids themselves: their counts per expert are enough.
+            decisions, counts = ctl.plan_step(None, self._counts(layout.owners), layout.n_tokens)
+        else:
+            ids, gates = self._rows(layout.owners)  # [T, L, K]
+            cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
+            if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
+                t, n_layers, k = ids.shape
+                _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32),
+                                            ids.reshape(t * n_layers, k), cut, rt.min_gate_weight)
+                ids = pruned.reshape(t, n_layers, k)
+            decisions, counts = ctl.plan_step(ids)
+        self.stats.add_step(spec.moe_layers, counts)
         moves = ctl.end_step(counts if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
         duration_s = self._price(layout, decisions, moves, counts, ids)
@@ -203,6 +209,14 @@ class StubBackend:
             self._finished(seq.key)
         return StepOutcome(duration_s, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced,
                            finished)
+
+    def _price_reads_ids(self) -> bool:
+        """Whether :meth:`_price` reads the step's routed ids (not only their counts)."""
+        return False
+
+    def _counts(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        """Routed tokens per expert ``[L, E]`` of the step's tokens (what :meth:`_rows` routes)."""
+        return counts_by_layer(self._rows(owners)[0], self._spec.n_experts)
 
     def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
                counts: np.ndarray, ids: np.ndarray | None = None) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ class SyntheticRoutes:
         self.pool_gates = pool.gate_weights
         self.n_pool = self.pool_ids.shape[0]
         self._start_hotness = pool.hotness()  # [L, E]
+        self._counter = _PoolCounts(self.pool_ids, shape.n_experts)  # shared by every fresh() copy
         digest = hashlib.sha256(json.dumps({"shape": vars(shape), "routing": r.to_dict()}, sort_keys=True,
                                            default=list).encode()).hexdigest()[:16]
         self.model_identity = {"arch": "synthetic", "n_layers": shape.n_layers, "moe_layers": list(shape.moe_layers),
@@ -173,6 +175,64 @@ class SyntheticRoutes:
         ids = perms.reshape(-1).take(np.add(self.pool_ids[rows], block, dtype=wide))
         return ids, gate_rows
 
+    def counts_many(self, keys: list[str], starts: list[int], counts: list[int]) -> np.ndarray:
+        """Routed tokens per expert ``[MoE layers, E]`` (int64) of the tokens :meth:`rows_many` routes
+        (what :func:`~engine.moe.policy.plan.counts_by_layer` counts of its ids), without building the ids.
+
+        A request's consecutive tokens take consecutive pool rows in the order of the hash's stride
+        (``row = (pos x mul + salt) mod P`` steps by ``mul mod P``), so a long run of tokens within one
+        drift window counts as the difference of two prefix sums over the pool in that order, in the
+        pool's labels, then relabelled by the window; short runs (decode tokens) are gathered and counted."""
+        pc = self._counter
+        if pc.pool_flat is None:  # a pool with skipped slots: count its ids
+            from engine.moe.policy.plan import counts_by_layer
+
+            return counts_by_layer(self.rows_many(keys, starts, counts, gates=False)[0], self.shape.n_experts)
+        n_moe, e = len(self.shape.moe_layers), self.shape.n_experts
+        acc = np.zeros(n_moe * e, np.int64)
+        r = self.routing
+        window_tokens = r.drift_window_tokens if r.drift > 0 else None
+        short: list[tuple[int, int, int, int]] = []  # (start, n, salt, first token's time) of short runs
+        for key, start, n in zip(keys, starts, counts, strict=True):
+            if n <= 0:
+                continue
+            salt = self._salt[key]
+            t0 = self._base[key] + start
+            if n < pc.long_tokens:
+                short.append((start, n, salt, t0))
+                continue
+            at, left, pos = 0, n, start
+            while left:  # one piece per drift window the run crosses
+                if window_tokens is None:
+                    w, take = 0, left
+                else:
+                    w = (t0 + at) // window_tokens
+                    take = min(left, (w + 1) * window_tokens - (t0 + at))
+                c0 = pc.run_counts(pc.cyclic_index(pos, salt), take)  # [L x E] in the pool's labels
+                if window_tokens is None:
+                    acc += c0
+                else:
+                    acc[self._drift.flat_labels(w)] += c0  # a permutation per layer: no index repeats
+                at, left, pos = at + take, left - take, pos + take
+        if short:
+            start_a, n_a, salt_a, t0_a = (np.asarray(c, dtype=np.int64) for c in zip(*short, strict=True))
+            total = int(n_a.sum())
+            if total == len(short):  # one token each (decode)
+                pos, t, salt_of = start_a, t0_a, salt_a
+            else:
+                owner = np.repeat(np.arange(len(short)), n_a)
+                step = np.arange(total, dtype=np.int64) - (np.cumsum(n_a) - n_a)[owner]
+                pos, t, salt_of = start_a[owner] + step, t0_a[owner] + step, salt_a[owner]
+            rows = ((pos.astype(np.uint64) * np.uint64(_HASH_MUL) + salt_of.astype(np.uint64))
+                    % np.uint64(self.n_pool)).astype(np.int64)  # as rows_many hashes them
+            flat = pc.pool_flat[rows]  # [N, L x K] pool label + layer offset
+            if window_tokens is not None:
+                win = t // window_tokens
+                labels = self._drift.flat_labels_upto(int(win.max()))
+                flat = labels.reshape(-1).take(np.add(flat, (win * (n_moe * e))[:, None]))
+            acc += np.bincount(flat.reshape(-1), minlength=n_moe * e)
+        return acc.reshape(n_moe, e)
+
     def _window_pool(self, window: int) -> np.ndarray:
         """The pool's expert ids ``[P, L, K]`` relabelled by window ``window``'s permutations (cached: the
         last few windows are what the running requests are in)."""
@@ -223,6 +283,27 @@ class _DriftLabels:
         self.hotness = hotness
         self.arr = np.tile(np.arange(n_experts, dtype=np.int16), (4, n_layers, 1))
         self.n = 1
+        self._flat = np.empty((4, n_layers * n_experts), np.int64)  # labels + layer offsets, per window
+        self._n_flat = 0
+        self._offsets = (np.arange(n_layers, dtype=np.int64) * n_experts)[:, None]
+
+    def flat_labels_upto(self, window: int) -> np.ndarray:
+        """``[windows, L x E]`` int64 for windows ``0..n-1`` with ``n > window``: at ``[w, l x E + e]`` the
+        label ``l x E + perm`` that window ``w`` gives the pool's expert ``e`` of layer ``l``."""
+        if window >= self._n_flat:
+            labels = self.upto(window)
+            if window >= len(self._flat):
+                grown = np.empty((max(window + 1, 2 * len(self._flat)), self._flat.shape[1]), np.int64)
+                grown[: self._n_flat] = self._flat[: self._n_flat]
+                self._flat = grown
+            got = labels[self._n_flat: window + 1]
+            self._flat[self._n_flat: window + 1] = (got + self._offsets).reshape(len(got), -1)
+            self._n_flat = window + 1
+        return self._flat[: self._n_flat]
+
+    def flat_labels(self, window: int) -> np.ndarray:
+        """Row ``window`` of :meth:`flat_labels_upto`."""
+        return self.flat_labels_upto(window)[window]
 
     def upto(self, window: int) -> np.ndarray:
         """The labels of windows ``0..n-1`` with ``n > window`` (a view)."""
@@ -244,6 +325,63 @@ class _DriftLabels:
                 self.arr[w] = perm
             self.n = window + 1
         return self.arr[: self.n]
+
+
+class _PoolCounts:
+    """What :meth:`SyntheticRoutes.counts_many` counts with, built once per pool: each pool row's
+    labels offset by layer (``pool_flat`` ``[P, L x K]``, None when the pool has skipped slots) and the
+    prefix sums of the rows' counts in the order the hash visits them (``[P + 1, L x E]``, built on
+    first use; runs are counted by gathering when the stride is not coprime to ``P`` or the table
+    would be large)."""
+
+    MAX_TABLE_BYTES = 256 * 2**20
+
+    def __init__(self, pool_ids: np.ndarray, n_experts: int) -> None:
+        p, n_layers, k = pool_ids.shape
+        self.n_pool, self.width = p, n_layers * n_experts
+        self.pool_ids = pool_ids
+        offsets = (np.arange(n_layers, dtype=np.int64) * n_experts)[None, :, None]
+        self.pool_flat = None if (pool_ids < 0).any() else \
+            np.add(pool_ids, offsets, dtype=np.int64).reshape(p, n_layers * k)
+        self.stride = _HASH_MUL % p
+        dtype = np.int16 if p * k <= np.iinfo(np.int16).max else np.int32
+        self.dtype = dtype
+        usable = math.gcd(self.stride, p) == 1 and (p + 1) * self.width * np.dtype(dtype).itemsize \
+            <= self.MAX_TABLE_BYTES
+        # From this many tokens a run is cheaper as two table rows ([L x E]) than gathered ([n, L x K]).
+        self.long_tokens = max(2, 2 * n_experts // max(k, 1)) if usable else np.iinfo(np.int64).max
+        self.inverse = pow(self.stride, -1, p) if usable else 0
+        self._prefix: np.ndarray | None = None
+
+    def cyclic_index(self, pos: int, salt: int) -> int:
+        """Where token ``pos`` of a request with ``salt`` sits in the hash's order of the pool rows:
+        its row is ``order[(pos + salt / stride) mod P]`` with ``order[j] = j x stride mod P``."""
+        return (pos + (salt % self.n_pool) * self.inverse) % self.n_pool
+
+    @property
+    def prefix(self) -> np.ndarray:
+        if self._prefix is None:
+            p = self.n_pool
+            assert self.pool_flat is not None
+            order = (np.arange(p, dtype=np.int64) * self.stride) % p
+            onehot = np.zeros((p, self.width), self.dtype)
+            np.add.at(onehot, (np.arange(p)[:, None], self.pool_flat[order]), 1)
+            table = np.zeros((p + 1, self.width), self.dtype)
+            np.cumsum(onehot, axis=0, dtype=self.dtype, out=table[1:])
+            self._prefix = table
+        return self._prefix
+
+    def run_counts(self, j: int, n: int) -> np.ndarray:
+        """Counts ``[L x E]`` of ``n`` consecutive tokens from cyclic index ``j`` (wrapping around the pool)."""
+        table, p = self.prefix, self.n_pool
+        laps, rest = divmod(n, p)
+        if j + rest <= p:
+            out = table[j + rest].astype(np.int64) - table[j]
+        else:
+            out = table[p].astype(np.int64) - table[j] + table[j + rest - p]
+        if laps:
+            out += laps * table[p].astype(np.int64)
+        return out
 
 
 def tokens_of(prompt_len: int, max_new_tokens: int) -> int:

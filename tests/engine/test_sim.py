@@ -164,6 +164,32 @@ def test_synthetic_routing_is_deterministic_skewed_and_drifts():
         SyntheticRouting(skew=-1)
 
 
+@pytest.mark.parametrize("routing", [
+    SyntheticRouting(skew=1.5, drift=0.3, drift_window_tokens=500, pool_tokens=512),
+    SyntheticRouting(drift=0.0, pool_tokens=100),
+    SyntheticRouting(drift=0.5, drift_window_tokens=7, pool_tokens=37),  # windows shorter than a run
+])
+def test_counting_routed_tokens_without_their_ids_counts_what_rows_route(routing):
+    """counts_many (prefix sums over the pool for long runs, gathered for short ones) against counting
+    the ids rows_many builds: runs of 0, 1 and a few tokens, runs crossing drift windows, runs longer
+    than the pool, several requests in one step."""
+    from engine.moe.policy.plan import counts_by_layer
+
+    rng = np.random.default_rng(5)
+    routes = SyntheticRoutes(SHAPE, routing).fresh()
+    keys = [f"k{i}" for i in range(12)]
+    for k in keys:
+        routes.add(k, int(rng.integers(1, 5000)))
+    for trial in range(60):
+        sel = [str(k) for k in rng.choice(keys, size=int(rng.integers(1, 6)), replace=False)]
+        starts = [int(rng.integers(0, 3000)) for _ in sel]
+        ns = [1] * len(sel) if trial % 3 == 0 else [int(rng.choice([0, 1, 3, 16, 40, 700, 3000])) for _ in sel]
+        got = routes.counts_many(sel, starts, ns)
+        want = counts_by_layer(routes.rows_many(sel, starts, ns, gates=False)[0], SHAPE.n_experts)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want, err_msg=f"{sel} {starts} {ns}")
+
+
 def test_sim_without_a_trace_routes_synthetically_and_the_same_twice():
     wl = _workload()
     b = make_backend("shape:mixtral-8x7b", _small(), kind="sim", profile="builtin:h200")
@@ -293,6 +319,7 @@ def test_cache_planned_all_layers_at_once_decides_as_layer_by_layer(monkeypatch,
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
     monkeypatch.setattr(ctl.ResidencyController, "plan_step", layer_by_layer)
+    monkeypatch.setattr(ctl.ResidencyController, "reads_ids", lambda self, n_tokens: True)
     slow = run_workload(b, wl, mode="offline", decisions=True)
     np.testing.assert_allclose([s.duration_ms for s in fast.steps], [s.duration_ms for s in slow.steps], rtol=1e-12)
     assert fast.decisions and fast.decisions == slow.decisions

@@ -241,27 +241,43 @@ class ResidencyController:
             self.log.layer(decision)
         return decision
 
-    def plan_step(self, ids: np.ndarray) -> tuple[Sequence[LayerDecision], np.ndarray]:
+    def reads_ids(self, n_tokens: int) -> bool:
+        """Whether :meth:`plan_step` of a step of ``n_tokens`` tokens reads the routed ids themselves
+        (micro-batches, cache prefetch), not only their counts per expert."""
+        s = self.settings
+        if s.trivial:
+            return False
+        one_part = len(step_slices(n_tokens, s.batching, s.micro_batch_tokens)) == 1
+        return not (one_part and (self.cache is None or s.prefetch_experts == 0))
+
+    def plan_step(self, ids: np.ndarray | None, counts: np.ndarray | None = None,
+                  n_tokens: int | None = None) -> tuple[Sequence[LayerDecision], np.ndarray]:
         """The decisions of every MoE layer of a step whose routed ids are ``ids`` ``[T, L, K]``, in
         layer order (what :meth:`plan_layer` decides for each), and the step's routed counts ``[L, E]``.
-        Trivial plans come as a :class:`TrivialStep` that builds each decision when read."""
-        counts = counts_by_layer(ids, self.settings.n_experts)
+        Trivial plans come as a :class:`TrivialStep` that builds each decision when read. ``counts``:
+        the ids' counts when already counted; with them ``ids`` may be None (give ``n_tokens``) where
+        :meth:`reads_ids` says the plan reads only the counts."""
+        t = int(ids.shape[0]) if ids is not None else n_tokens
+        if t is None or (ids is None and (counts is None or self.reads_ids(t))):
+            raise ValueError("plan_step needs the routed ids (or their counts and n_tokens where reads_ids is False)")
+        if counts is None:
+            assert ids is not None
+            counts = counts_by_layer(ids, self.settings.n_experts)
         if self.settings.trivial:
             self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
-            decisions = TrivialStep(counts, int(ids.shape[0]))
+            decisions = TrivialStep(counts, t)
             if self.log is not None:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
-        t = int(ids.shape[0])
-        one_part = len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1
-        if one_part and (self.cache is None or self.settings.prefetch_experts == 0):
+        if not self.reads_ids(t):
             access = self._access_all_layers(counts) if self.cache is not None else None
             decisions = self._plan_all_layers(counts, t, access)
             if self.log is not None:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
+        assert ids is not None
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
     def _access_all_layers(self, counts: np.ndarray) -> StepAccess:
