@@ -251,7 +251,7 @@ class StepPricer:
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._ep_step(t, counts, ids, lay)
-        elif getattr(decisions, "trivial", False) or (decisions and all(d.trivial for d in decisions)):
+        elif self._all_trivial(decisions):
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._trivial_step(t, counts, lay)
@@ -280,6 +280,13 @@ class StepPricer:
         b.waits_s += wait
         b.ep_combine_s += lay.combine
         return total
+
+    @staticmethod
+    def _all_trivial(decisions: Sequence[LayerDecision]) -> bool:
+        """Whether every layer's plan is trivial (a whole step's plans say so themselves: reading one
+        of their layers would build its decision)."""
+        trivial = getattr(decisions, "trivial", None)
+        return bool(trivial) if trivial is not None else bool(decisions) and all(d.trivial for d in decisions)
 
     def _ep_step(self, t: int, counts: np.ndarray, ids: np.ndarray | None, out: _Layer) -> None:
         """Every MoE layer of a step under expert parallelism (rule 7); records each rank's pairs,
@@ -457,25 +464,40 @@ class StepPricer:
         counts, where = d.counts, d.where
         link = self.profile.link
         assert link is not None
-        hi_lut, host_lut = self._lut("fast", self.hi), self._lut("host", self.host_prec)
-        lo_lut = self._lut("fast", self.precision_of["lo"])
-        is_hi, is_lo, is_host, is_fetch = (where == 0), (where == 1), (where == 2), (where == 3)
-        resident = (hi_lut[counts] * is_hi).sum(1) + (lo_lut[counts] * is_lo).sum(1)  # [L]
-        fetched = (hi_lut[counts] * is_fetch).sum(1)
-        host_tokens = (counts * is_host).sum(1)
-        act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
-        crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
-                            + act / link.h2d_pinned_bytes_per_s, 0.0)
-        host = (host_lut[counts] * is_host).sum(1) + crossing
-        fetch_copy = is_fetch.sum(1) * self.copy_hi
-        copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
-        device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident, fetch_copy)
+        # Places without a run this step add exact zeros to every sum below: they are skipped.
+        n_hi, n_lo, n_host, n_fetch = d.runs_by_where
+        zeros = np.zeros(counts.shape[0])
+        hi_tokens = self._lut("fast", self.hi)[counts] if n_hi or n_fetch else None  # [L, E]
+        resident = (hi_tokens * (where == 0)).sum(1) if n_hi else zeros  # [L]
+        if n_lo:
+            resident = resident + (self._lut("fast", self.precision_of["lo"])[counts] * (where == 1)).sum(1)
+        host = zeros
+        if n_host:
+            is_host = where == 2
+            host_tokens = (counts * is_host).sum(1)
+            act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
+            crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
+                                + act / link.h2d_pinned_bytes_per_s, 0.0)
+            host = (self._lut("host", self.host_prec)[counts] * is_host).sum(1) + crossing
+        fetch_copy_s = 0.0
+        if n_fetch:
+            is_fetch = where == 3
+            fetched = (hi_tokens * is_fetch).sum(1)
+            fetch_copy = is_fetch.sum(1) * self.copy_hi
+            copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
+            device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident,
+                                                                                                     fetch_copy)
+            fast = resident + fetched
+            fetch_copy_s = fetch_copy.sum()
+        else:
+            device = fast = resident
         call = self.grouped_call[min(d.n_tokens * self.k_run, self.slots_max)]
         admits = d.n_admitted * self.copy_hi if d.n_admitted is not None else 0.0  # synchronous, as in _layer
-        out.seconds += float((self.fast.part_overhead_s + admits + np.maximum(device, host) + call).sum())
-        out.fast += float((resident + fetched).sum())
+        out.seconds += float((self.fast.part_overhead_s + admits + (np.maximum(device, host) if n_host else device)
+                              + call).sum())
+        out.fast += float(fast.sum())
         out.host += float(host.sum())
-        out.copies += float(fetch_copy.sum() + np.sum(admits))
+        out.copies += float(fetch_copy_s + np.sum(admits))
 
     # ------------------------------------------------------------------------------------- moves
     def _moves(self, moves: StepMoves) -> tuple[float, float]:

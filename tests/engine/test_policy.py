@@ -603,3 +603,27 @@ def test_cache_matches_one_expert_at_a_time_reference(policy, capacity):
             got = fast.access(layer, ids)
             assert (got.hits, got.misses, got.evictions) == ref.access(layer, ids), step
         assert fast.cached(layer) == sorted(ref.last[layer])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_cache_step_access_matches_layer_after_layer(policy):
+    """access_step (every layer at once, as arrays) against access of one layer after another: the same
+    hits, misses, victims in eviction order, admissions and cached sets, step after step; layers of
+    capacities 0 (nothing admitted), few (victims run out when a step routes more than that) and all."""
+    rng = np.random.default_rng(11 + (policy == "lfu"))
+    caps = [0, 1, 3, 8, 17, 40]
+    step_wise, layer_wise = ExpertCache(6, 40, caps, policy=policy), ExpertCache(6, 40, caps, policy=policy)
+    for step in range(200):
+        n = int(rng.integers(1, 30)) if step % 5 else 40
+        routed = np.zeros((6, 40), bool)
+        for layer in range(6):
+            routed[layer, rng.zipf(1.4, n) % 40] = True
+        got = step_wise.access_step(routed)
+        for layer in range(6):
+            want = layer_wise.access(layer, np.flatnonzero(routed[layer]).tolist())
+            access, admitted = got.layer(layer)
+            assert (access.hits, access.misses, access.evictions) == (want.hits, want.misses, want.evictions), step
+            assert list(admitted) == [e for e in want.misses if e in set(layer_wise.cached(layer))]
+            assert step_wise.cached(layer) == layer_wise.cached(layer)
+    assert (step_wise.hits, step_wise.misses, step_wise.evictions) == (layer_wise.hits, layer_wise.misses,
+                                                                       layer_wise.evictions)

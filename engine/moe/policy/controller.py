@@ -151,8 +151,12 @@ class StepPlan(_LayerDecisions):
     trivial = False
 
     def __init__(self, counts: np.ndarray, where: np.ndarray, n_tokens: int,
-                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None) -> None:
+                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None,
+                 runs_by_where: tuple[int, ...] | None = None) -> None:
         self.counts, self.where, self.n_tokens, self.splits = counts, where, n_tokens, splits
+        self.runs_by_where = runs_by_where if runs_by_where is not None else \
+            tuple(np.bincount(where[where >= 0], minlength=len(WHERE)).tolist())
+        """Runs per place of :data:`WHERE` over every layer of the step."""
         self.cache = cache
         """Cache residency: every layer's access of the step (None without a cache)."""
         self.n_admitted = cache.admitted.sum(1) if cache is not None else None
@@ -286,12 +290,13 @@ class ResidencyController:
         cache = self.cache
         assert cache is not None
         s, st = self.settings, self.stats
+        hits, misses, evictions = cache.hits, cache.misses, cache.evictions
         acc = cache.access_step(counts > 0)
         self.tiers[acc.evicted] = TIER_CODES["host"]
         self.tiers[acc.admitted] = TIER_CODES["hi"]
-        n_ev, n_adm = int(acc.evicted.sum()), int(acc.admitted.sum())
-        st.cache_hits += int(acc.hits.sum())
-        st.cache_misses += int(acc.misses.sum())
+        n_ev, n_adm = cache.evictions - evictions, int(acc.admitted.sum())
+        st.cache_hits += cache.hits - hits
+        st.cache_misses += cache.misses - misses
         st.cache_evictions += n_ev
         st.bytes_evicted += n_ev * s.bytes_hi
         st.bytes_to_fast += n_adm * s.bytes_hi
@@ -303,7 +308,7 @@ class ResidencyController:
         layer, elementwise."""
         s = self.settings
         where = plan_where(counts, self.tiers, s.missing, self.cost, s.bytes_host)  # [L, E], -1 = not routed
-        n_by = np.bincount(where[where >= 0], minlength=len(WHERE)).tolist()
+        n_by = np.bincount((where + 1).ravel(), minlength=len(WHERE) + 1)[1:].tolist()  # -1 (not routed) dropped
         st = self.stats
         st.expert_calls_fast_hi += n_by[0]
         st.expert_calls_fast_lo += n_by[1]
@@ -311,14 +316,14 @@ class ResidencyController:
         st.expert_calls_fetched += n_by[3]
         st.bytes_to_fast += s.bytes_hi * n_by[3]
         splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
-        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0)
-        if replicated.any():
+        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0) if s.max_replicas > 0 else None
+        if replicated is not None and replicated.any():  # replicas exist only with max_replicas > 0
             for li, e in zip(*np.nonzero(replicated), strict=True):
                 r = int(self.replicas[li, e])
                 splits.setdefault(int(li), ())
                 splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
                 st.replica_calls += r
-        return StepPlan(counts, where, t, splits, access)
+        return StepPlan(counts, where, t, splits, access, tuple(n_by))
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:

@@ -248,9 +248,9 @@ def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostMode
                host_bytes: int) -> np.ndarray:
     """Where each routed expert of every layer runs: int8 ``[L, E]`` indices into :data:`WHERE` (-1 where
     ``counts`` is 0), decided as :func:`plan_run_arrays` decides them layer by layer."""
-    c = np.asarray(counts)
-    where = _CODE_TO_WHERE[np.asarray(tiers)].astype(np.int8)
-    missing = (np.asarray(tiers) <= 0) & (c > 0)
+    c, code = np.asarray(counts), np.asarray(tiers)
+    where = _CODE_TO_WHERE[code]  # a new int8 array
+    missing = (code <= 0) & (c > 0)
     _place_missing(where, missing, c[missing], mode, cost, host_bytes)
     where[c <= 0] = -1
     return where
