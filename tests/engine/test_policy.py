@@ -627,3 +627,25 @@ def test_cache_step_access_matches_layer_after_layer(policy):
             assert step_wise.cached(layer) == layer_wise.cached(layer)
     assert (step_wise.hits, step_wise.misses, step_wise.evictions) == (layer_wise.hits, layer_wise.misses,
                                                                        layer_wise.evictions)
+
+
+@pytest.mark.parametrize("mode", ["host", "fetch", "auto"])
+@pytest.mark.parametrize("tier_dtype", [np.int8, np.int64])
+def test_plan_where_places_every_layer_as_plan_run_arrays_does(mode, tier_dtype):
+    """plan_where (all layers at once; a table lookup for host and fetch) against plan_run_arrays
+    layer by layer: unrouted experts -1, every tier, counts on both sides of auto's crossover."""
+    from engine.moe.policy.plan import plan_run_arrays, plan_where
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 200, (6, 40)) * (rng.random((6, 40)) < 0.6)
+    tiers = rng.integers(0, 3, (6, 40)).astype(tier_dtype)
+    cost = _cost() if mode == "auto" else None
+    where = plan_where(counts, tiers, mode, cost, 10_000_000)
+    assert where.dtype == np.int8 and where.shape == (6, 40)
+    for layer in range(6):
+        runs = plan_run_arrays(counts[layer], tiers[layer], np.zeros(40, np.int64), mode, cost, 10_000_000)
+        want = np.full(40, -1, np.int8)
+        want[runs.experts] = runs.where
+        np.testing.assert_array_equal(where[layer], want)
+    if mode == "auto":
+        assert {2, 3} <= set(where[tiers == 0].tolist())  # some missing experts on the host, some fetched

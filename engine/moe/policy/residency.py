@@ -678,9 +678,10 @@ class ExpertCache:
             # key is at most its need-th smallest).
             key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
             rank = np.where(cand, key, np.iinfo(np.int64).max)
-            nth = np.sort(rank, axis=1)[np.arange(self.n_layers), np.clip(need - 1, 0, self.n_experts - 1)]
+            nth = np.sort(rank, axis=1)[np.arange(self.n_layers), np.maximum(need, 1) - 1]  # need <= E
             victim = cand & (rank <= np.where(need > 0, nth, -1)[:, None])
             n_vict = victim.sum(1)
+            last[victim] = -1
         else:  # room for every miss
             rank = np.zeros(last.shape, np.int64)
             victim = np.zeros(last.shape, bool)
@@ -689,12 +690,17 @@ class ExpertCache:
         short = room + n_vict < n_miss
         admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None]) if short.any() else miss
         self._freq += routed
-        last[victim] = -1
-        use = hit | admitted
-        last[use] = (clock0 + np.cumsum(routed.ravel()).reshape(routed.shape))[use]
-        self._clock = int(clock0 + routed.sum())
+        # Each routed expert takes the next tick in layer-then-expert order; hits and admissions keep theirs.
+        at = np.flatnonzero(routed)
+        n_routed = len(at)
+        ticks = np.arange(clock0 + 1, clock0 + 1 + n_routed)
+        if admitted is not miss:
+            used = (hit | admitted).ravel()[at]
+            at, ticks = at[used], ticks[used]
+        np.put(last, at, ticks)
+        self._clock = clock0 + n_routed
         self._size = (np.asarray(self._size) + admitted.sum(1) - n_vict).tolist()
-        self.hits += int(hit.sum())
+        self.hits += int(np.count_nonzero(hit))
         self.misses += int(n_miss.sum())
         self.evictions += int(n_vict.sum())
         return StepAccess(hit, miss, victim, admitted, rank)
