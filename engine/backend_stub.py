@@ -185,23 +185,15 @@ class StubBackend:
         layout = self.seqs.next_step()
         if not layout.segments:
             return StepOutcome(0.0, 0, 0, 0, [], [])
-        spec, rt = self._spec, self._config.routing
         ctl = self.controller
         ids: np.ndarray | None = None
-        if rt.top_k_override <= 0 and rt.min_gate_weight <= 0 and self._routes is None \
-                and not ctl.reads_ids(layout.n_tokens) and not self._price_reads_ids():
+        if self._routes is None and not ctl.reads_ids(layout.n_tokens) and not self._price_reads_ids():
             # Nothing this step reads the routed ids themselves: their counts per expert are enough.
             decisions, counts = ctl.plan_step(None, self._counts(layout.owners), layout.n_tokens)
         else:
-            ids, gates = self._rows(layout.owners)  # [T, L, K]
-            cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
-            if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
-                t, n_layers, k = ids.shape
-                _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32),
-                                            ids.reshape(t * n_layers, k), cut, rt.min_gate_weight)
-                ids = pruned.reshape(t, n_layers, k)
+            ids = self._routed_ids(layout.owners)  # [T, L, K]
             decisions, counts = ctl.plan_step(ids)
-        self.stats.add_step(spec.moe_layers, counts)
+        self.stats.add_step(self._spec.moe_layers, counts)
         moves = ctl.end_step(counts if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
         duration_s = self._price(layout, decisions, moves, counts, ids)
@@ -214,9 +206,21 @@ class StubBackend:
         """Whether :meth:`_price` reads the step's routed ids (not only their counts)."""
         return False
 
+    def _routed_ids(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        """The step's routed expert ids ``[T, L, K]`` (:meth:`_rows`), pruned as the config's routing says."""
+        ids, gates = self._rows(owners)
+        rt = self._config.routing
+        cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
+        if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
+            t, n_layers, k = ids.shape
+            _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32),
+                                        ids.reshape(t * n_layers, k), cut, rt.min_gate_weight)
+            ids = pruned.reshape(t, n_layers, k)
+        return ids
+
     def _counts(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
-        """Routed tokens per expert ``[L, E]`` of the step's tokens (what :meth:`_rows` routes)."""
-        return counts_by_layer(self._rows(owners)[0], self._spec.n_experts)
+        """Routed tokens per expert ``[L, E]`` of the step's tokens (what :meth:`_routed_ids` routes)."""
+        return counts_by_layer(self._routed_ids(owners), self._spec.n_experts)
 
     def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
                counts: np.ndarray, ids: np.ndarray | None = None) -> float:

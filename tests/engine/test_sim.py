@@ -190,6 +190,33 @@ def test_counting_routed_tokens_without_their_ids_counts_what_rows_route(routing
         np.testing.assert_array_equal(got, want, err_msg=f"{sel} {starts} {ns}")
 
 
+@pytest.mark.parametrize("prune", [(None, 0.1), (2, 0.0), (3, 0.3)])
+def test_synthetic_routes_pruned_per_pool_row_as_prune_routes_prunes_each_token(prune):
+    """rows_many(prune=...) (decided once per pool row) against prune_routes of every token's own gate
+    weights, and counts_many(prune=...) against counting those ids, across drift windows."""
+    from engine.moe.policy.plan import counts_by_layer
+    from engine.moe.policy.routing import prune_routes
+
+    rng = np.random.default_rng(8)
+    routes = SyntheticRoutes(SHAPE, SyntheticRouting(drift=0.4, drift_window_tokens=300, pool_tokens=256)).fresh()
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        routes.add(k, 3000)
+    for _ in range(30):
+        sel = [str(k) for k in rng.choice(keys, size=int(rng.integers(1, 5)), replace=False)]
+        starts = [int(rng.integers(0, 2000)) for _ in sel]
+        ns = [int(rng.choice([1, 2, 30, 400])) for _ in sel]
+        ids, gates = routes.rows_many(sel, starts, ns)
+        t, n_layers, k = ids.shape
+        want = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32), ids.reshape(t * n_layers, k),
+                            *prune)[1].reshape(t, n_layers, k)
+        got, no_gates = routes.rows_many(sel, starts, ns, prune=prune)
+        assert no_gates is None and got.dtype == want.dtype and (want < 0).any()
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(routes.counts_many(sel, starts, ns, prune=prune),
+                                      counts_by_layer(want, SHAPE.n_experts))
+
+
 def test_sim_without_a_trace_routes_synthetically_and_the_same_twice():
     wl = _workload()
     b = make_backend("shape:mixtral-8x7b", _small(), kind="sim", profile="builtin:h200")
