@@ -59,9 +59,9 @@ priced apart. Pure: numpy and the standard library.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -115,6 +115,19 @@ class _Layer:
     copies: float = 0.0
     queued: float = 0.0  # background copies to the copy engine's queue
     combine: float = 0.0  # expert parallelism: the part of the layers' time after the slowest rank's compute
+
+
+class _Part(NamedTuple):
+    """One micro-batch of one layer as the pricer reads it: the runs in expert order (``experts``,
+    ``tokens``, ``where`` an index into :data:`WHERE`), replicated runs' ``splits``, the experts the
+    cache admitted for it, and its token rows."""
+
+    experts: np.ndarray
+    tokens: np.ndarray
+    where: np.ndarray
+    splits: tuple[tuple[int, tuple[int, ...]], ...]
+    n_admitted: int
+    rows: int
 
 
 @dataclass
@@ -257,6 +270,9 @@ class StepPricer:
             self._trivial_step(t, counts, lay)
         elif self.two_tier and isinstance(decisions, StepPlan) and not decisions.splits:
             self._step_plan(decisions, lay)
+        elif isinstance(decisions, StepPlan):  # layer by layer, from the plan's arrays (no prefetch in it)
+            for part in self._plan_parts(decisions):
+                (self._part if self.two_tier else self._part_host_only)(part, lay)
         else:
             for d in decisions:
                 if self.two_tier:
@@ -371,92 +387,110 @@ class StepPricer:
                                             pinned=False) for s in prefill))
         return self.n_layers * per_layer, self.n_layers * copies
 
+    # ---------------------------------------------------------------------------- a layer's parts
+    @staticmethod
+    def _parts(d: LayerDecision) -> list[_Part]:
+        """The micro-batches of a (non-trivial) layer decision, as :class:`_Part`."""
+        return [_Part(p.arrays.experts, p.arrays.tokens, p.arrays.where, p.arrays.splits, len(p.admitted),
+                      p.stop - p.start) for p in d.parts]
+
+    @staticmethod
+    def _plan_parts(d: StepPlan) -> Iterator[_Part]:
+        """Each layer's one part of a step planned at once, read from its arrays (what
+        :class:`~engine.moe.policy.controller.StepPlan` builds a layer decision from, without building it)."""
+        admitted = d.n_admitted.tolist() if d.n_admitted is not None else [0] * len(d)
+        for li in range(len(d)):
+            routed = np.flatnonzero(d.where[li] >= 0)
+            yield _Part(routed, d.counts[li, routed], d.where[li, routed], d.splits.get(li, ()), admitted[li],
+                        d.n_tokens)
+
     # ------------------------------------------------------------------------------ host-only MoE
     def _layer_host_only(self, d: LayerDecision, out: _Layer) -> None:
         if d.trivial:
             self._trivial_step(d.n_tokens, d.counts[None, :], out)
             return
-        part_fixed = self.fast.part_overhead_s
-        for part in d.parts:
-            a = part.arrays
-            rows = part.stop - part.start
-            slots = rows * self.k_run
-            n_by = np.bincount(a.where, minlength=4)  # runs per place: hi, lo, host, fetch
-            precs = {self.precision_of[w] for w, n in zip(WHERE, n_by.tolist(), strict=True) if n}
-            admits = len(part.admitted) * self.copy_hi
-            s = part_fixed + admits
-            out.copies += admits
-            if (0 <= slots <= self.fused_slots and len(precs) <= 1 and precs <= set(FUSED_PRECISIONS)
-                    and not a.splits and not n_by[3]):
-                e = float(self._lut("fast", precs.pop(), fused=True)[a.tokens].sum()) if precs else 0.0
-                s += self.fused_call[rows] + e
-                out.fast += e
-                out.seconds += s
-                continue
-            s += self.grouped_call[min(slots, self.slots_max)]
-            fast = host = 0.0
-            for code, where in enumerate(WHERE):
-                if not n_by[code]:
-                    continue
-                tok = a.tokens[a.where == code]
-                if where == "host":
-                    host += float(self._lut("host", self.host_prec)[tok].sum())
-                    continue
-                lut = self._lut("fast", self.precision_of[where])
-                fast += float(lut[tok].sum())
-                if where == "fetch":
-                    fast += n_by[code] * self.copy_hi
-                    out.copies += n_by[code] * self.copy_hi
-            for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
-                lut = self._lut("fast", self.precision_of[WHERE[int(a.where[np.searchsorted(a.experts, expert)])]])
-                fast += sum(lut[n] for n in split) - lut[sum(split)]
-            out.fast += fast
-            out.host += host
-            out.seconds += s + fast + host
+        for part in self._parts(d):
+            self._part_host_only(part, out)
         if d.prefetch:  # the copier thread shares the cores
             out.copies += len(d.prefetch) * self.copy_hi
             out.seconds += len(d.prefetch) * self.copy_hi
+
+    def _part_host_only(self, a: _Part, out: _Layer) -> None:
+        rows = a.rows
+        slots = rows * self.k_run
+        n_by = np.bincount(a.where, minlength=4)  # runs per place: hi, lo, host, fetch
+        precs = {self.precision_of[w] for w, n in zip(WHERE, n_by.tolist(), strict=True) if n}
+        admits = a.n_admitted * self.copy_hi
+        s = self.fast.part_overhead_s + admits
+        out.copies += admits
+        if (0 <= slots <= self.fused_slots and len(precs) <= 1 and precs <= set(FUSED_PRECISIONS)
+                and not a.splits and not n_by[3]):
+            e = float(self._lut("fast", precs.pop(), fused=True)[a.tokens].sum()) if precs else 0.0
+            s += self.fused_call[rows] + e
+            out.fast += e
+            out.seconds += s
+            return
+        s += self.grouped_call[min(slots, self.slots_max)]
+        fast = host = 0.0
+        for code, where in enumerate(WHERE):
+            if not n_by[code]:
+                continue
+            tok = a.tokens[a.where == code]
+            if where == "host":
+                host += float(self._lut("host", self.host_prec)[tok].sum())
+                continue
+            lut = self._lut("fast", self.precision_of[where])
+            fast += float(lut[tok].sum())
+            if where == "fetch":
+                fast += n_by[code] * self.copy_hi
+                out.copies += n_by[code] * self.copy_hi
+        for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
+            lut = self._lut("fast", self.precision_of[WHERE[int(a.where[np.searchsorted(a.experts, expert)])]])
+            fast += sum(lut[n] for n in split) - lut[sum(split)]
+        out.fast += fast
+        out.host += host
+        out.seconds += s + fast + host
 
     # ------------------------------------------------------------------------------- two-tier MoE
     def _layer(self, d: LayerDecision, out: _Layer) -> None:
         if d.trivial:
             self._trivial_step(d.n_tokens, d.counts[None, :], out)
             return
-        part_fixed = self.fast.part_overhead_s
+        for part in self._parts(d):
+            self._part(part, out)
+        out.queued += len(d.prefetch) * self.copy_hi
+
+    def _part(self, a: _Part, out: _Layer) -> None:
         link = self.profile.link
         assert link is not None
-        overlap = link.overlap
         bw = self.fast.mem_bw_bytes_per_s * self.fast.bw_efficiency * self.expert_speed
-        for part in d.parts:
-            a = part.arrays
-            n_by = np.bincount(a.where, minlength=4)
-            resident = fetched = host = 0.0
-            for code, where in enumerate(WHERE):
-                if not n_by[code]:
-                    continue
-                tok = a.tokens[a.where == code]
-                if where == "host":
-                    host += float(self._lut("host", self.host_prec)[tok].sum())
-                    host += self.act_d2h(int(tok.sum())) + self.act_h2d(int(tok.sum()))
-                elif where == "fetch":
-                    fetched += float(self._lut("fast", self.hi)[tok].sum())
-                else:
-                    resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
-            for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
-                where = WHERE[int(a.where[np.searchsorted(a.experts, expert)])]
-                lut = self._lut("fast", self.precision_of[where])
-                nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
-                resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
-            fetch_copy = int(n_by[3]) * self.copy_hi
-            copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
-            device = max(resident, copies_done) + fetched + (1.0 - overlap) * min(resident, fetch_copy)
-            admits = len(part.admitted) * self.copy_hi  # synchronous: the part waits for them
-            out.seconds += part_fixed + admits + max(device, host) + self.grouped_call[
-                min((part.stop - part.start) * self.k_run, self.slots_max)]
-            out.fast += resident + fetched
-            out.host += host
-            out.copies += fetch_copy + admits
-        out.queued += len(d.prefetch) * self.copy_hi
+        n_by = np.bincount(a.where, minlength=4)
+        resident = fetched = host = 0.0
+        for code, where in enumerate(WHERE):
+            if not n_by[code]:
+                continue
+            tok = a.tokens[a.where == code]
+            if where == "host":
+                host += float(self._lut("host", self.host_prec)[tok].sum())
+                host += self.act_d2h(int(tok.sum())) + self.act_h2d(int(tok.sum()))
+            elif where == "fetch":
+                fetched += float(self._lut("fast", self.hi)[tok].sum())
+            else:
+                resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
+        for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
+            where = WHERE[int(a.where[np.searchsorted(a.experts, expert)])]
+            lut = self._lut("fast", self.precision_of[where])
+            nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
+            resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
+        fetch_copy = int(n_by[3]) * self.copy_hi
+        copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
+        device = max(resident, copies_done) + fetched + (1.0 - link.overlap) * min(resident, fetch_copy)
+        admits = a.n_admitted * self.copy_hi  # synchronous: the part waits for them
+        out.seconds += self.fast.part_overhead_s + admits + max(device, host) + self.grouped_call[
+            min(a.rows * self.k_run, self.slots_max)]
+        out.fast += resident + fetched
+        out.host += host
+        out.copies += fetch_copy + admits
 
     def _step_plan(self, d: StepPlan, out: _Layer) -> None:
         """:meth:`_layer` of every layer of a step planned at once (one micro-batch, a cache without
