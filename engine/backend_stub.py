@@ -275,13 +275,20 @@ class StubBackend:
 
     def finish(self) -> RunTail:
         hi, lo = tier_precisions(self._config, self.weight_precision)
-        table = {} if self.plain else self.controller.expert_table(hi, lo, self.weight_precision)
         layer_index = {layer: i for i, layer in enumerate(self._spec.moe_layers)}
+        ctl = self.controller
+        names = {0: self.weight_precision, 1: lo or self.weight_precision, 2: hi}  # by tier code (expert_table's)
         stats = []
         for layer, counts in sorted(self.stats.counts.items()):
-            for e, n in enumerate(counts.tolist()):
-                resident, prec, replicas = table.get((layer_index[layer], e), (True, self.weight_precision, 0))
-                stats.append(ExpertStat(layer, e, int(n), resident=resident, precision=prec, replicas=replicas))
+            n_e = len(counts)
+            if self.plain:  # every expert resident as loaded
+                rows = zip([True] * n_e, [self.weight_precision] * n_e, [0] * n_e, strict=True)
+            else:
+                codes = ctl.tiers[layer_index[layer]].tolist()
+                rows = zip([c > 0 for c in codes], [names[c] for c in codes], ctl.replicas[layer_index[layer]].tolist(),
+                           strict=True)
+            stats.extend(ExpertStat(layer, e, n, resident=r, precision=p, replicas=k)
+                         for e, (n, (r, p, k)) in enumerate(zip(counts.tolist(), rows, strict=True)))
         decisions = self._log.entries if self._log is not None else None
         self._log = None
         self.controller.log = None

@@ -88,6 +88,15 @@ class ExpertStat:
     replicas: int = 0
 
 
+def _flat_dicts(records: list[Any]) -> list[dict[str, Any]]:
+    """``dataclasses.asdict`` of each record of a dataclass whose fields hold plain values (numbers,
+    strings, None), without asdict's deep copy of each value (a run holds one per expert per layer)."""
+    if not records:
+        return []
+    names = [f.name for f in dataclasses.fields(records[0])]
+    return [{n: getattr(r, n) for n in names} for r in records]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default), None for no values."""
     xs = sorted(v for v in values if v is not None and not math.isnan(v))
@@ -153,9 +162,9 @@ class RunResult:
             "meta": self.meta,
             "summary": self.summary(),
             "requests": [r.to_dict(with_ids) for r in self.requests],
-            "steps": [dataclasses.asdict(s) for s in self.steps],
-            "telemetry": [dataclasses.asdict(t) for t in self.telemetry],
-            "expert_stats": [dataclasses.asdict(e) for e in self.expert_stats],
+            "steps": _flat_dicts(self.steps),
+            "telemetry": _flat_dicts(self.telemetry),
+            "expert_stats": _flat_dicts(self.expert_stats),
         }
         if self.decisions is not None:
             out["decisions"] = self.decisions

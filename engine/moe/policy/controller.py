@@ -430,14 +430,16 @@ class ResidencyController:
         else:
             spare = np.maximum(0, np.asarray(self.plan.budgets_bytes) - self.plan.bytes_used())
         wanted = plan_replicas(recent, s.replica_threshold, s.max_replicas, spare, s.bytes_hi)
-        changes = []
-        for layer in range(s.n_layers):
-            for e in range(s.n_experts):
-                n = wanted.get(layer, {}).get(e, 0)
-                if n != self.replicas[layer, e]:
-                    changes.append(ReplicaChange(layer, e, n))
-                    self.replicas[layer, e] = n
-                    self.stats.bytes_to_fast += n * s.bytes_hi
+        new = np.zeros_like(self.replicas)
+        for layer, per_expert in wanted.items():
+            for e, n in per_expert.items():
+                new[layer, e] = n
+        changed = new != self.replicas
+        # In layer then expert order, as the mechanism applies them.
+        changes = [ReplicaChange(layer, e, n) for layer, e, n in zip(*(x.tolist() for x in np.nonzero(changed)),
+                                                                     new[changed].tolist(), strict=True)]
+        self.stats.bytes_to_fast += int(new[changed].sum()) * s.bytes_hi
+        self.replicas[...] = new
         return changes
 
     # ------------------------------------------------------------------ state
@@ -445,13 +447,14 @@ class ResidencyController:
         """Fast-tier bytes the state holds: resident copies and replicas (the loaded weights when
         they are the resident copies)."""
         s = self.settings
-        total = sum(tier_bytes(int(c), s.bytes_hi, s.bytes_lo) for c in self.tiers.reshape(-1))
+        n_hi, n_lo = int(np.count_nonzero(self.tiers == 2)), int(np.count_nonzero(self.tiers == 1))
+        total = n_hi * tier_bytes(2, s.bytes_hi, s.bytes_lo) + n_lo * tier_bytes(1, s.bytes_hi, s.bytes_lo)
         return int(total + self.replicas.sum() * s.bytes_hi)
 
     def expert_table(self, hi: str, lo: str | None, host: str) -> dict[tuple[int, int], tuple[bool, str, int]]:
         """(MoE layer index, expert) -> (resident, precision it runs in, replicas), given the
         precision names of the tiers."""
         names = {0: host, 1: lo or host, 2: hi}
-        return {(layer, e): (bool(self.tiers[layer, e]), names[int(self.tiers[layer, e])],
-                             int(self.replicas[layer, e]))
-                for layer in range(self.settings.n_layers) for e in range(self.settings.n_experts)}
+        return {(layer, e): (bool(code), names[code], int(rep))
+                for layer, (codes, reps) in enumerate(zip(self.tiers.tolist(), self.replicas.tolist(), strict=True))
+                for e, (code, rep) in enumerate(zip(codes, reps, strict=True))}
