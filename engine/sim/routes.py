@@ -221,11 +221,12 @@ class SyntheticRoutes:
                 else:
                     w = (t0 + at) // window_tokens
                     take = min(left, (w + 1) * window_tokens - (t0 + at))
-                c0 = pc.run_counts(pc.cyclic_index(pos, salt), take)  # [L x E + 1] in the pool's labels
-                if window_tokens is None:
+                c0, rest = pc.run_counts(pc.cyclic_index(pos, salt), take)  # [L x E + 1] in the pool's labels
+                if c0 is not None and window_tokens is None:
                     acc += c0
-                else:
+                elif c0 is not None:
                     acc[self._drift.flat_labels(w)] += c0  # a permutation per layer: no index repeats
+                short += [(pos + off, length, salt, t0 + at + off) for off, length in rest]  # the run's ends
                 at, left, pos = at + take, left - take, pos + take
         if short:
             start_a, n_a, salt_a, t0_a = (np.asarray(c, dtype=np.int64) for c in zip(*short, strict=True))
@@ -362,11 +363,13 @@ class _DriftLabels:
 class _PoolCounts:
     """What :meth:`SyntheticRoutes.counts_many` counts with, built once per pool: each pool row's
     labels offset by layer (``pool_flat`` ``[P, L x K]``; a skipped slot in the last bin, ``L x E``)
-    and the prefix sums of the rows' counts in the order the hash visits them (``[P + 1, L x E + 1]``,
-    built on first use; runs are counted by gathering when the stride is not coprime to ``P`` or the
-    table would be large)."""
+    and the counts of the rows before each block of ``BLOCK`` rows in the order the hash visits them
+    (``[blocks + 1, L x E + 1]``, built on first use; runs are gathered whole when the stride is not
+    coprime to ``P`` or the table would be large)."""
 
     MAX_TABLE_BYTES = 256 * 2**20
+    BLOCK = 16
+    """Rows per block of the table: a run counts its whole blocks from the table and gathers its ends."""
 
     def __init__(self, pool_ids: np.ndarray, n_experts: int) -> None:
         p, n_layers, k = pool_ids.shape
@@ -377,12 +380,10 @@ class _PoolCounts:
             flat[pool_ids < 0] = self.width - 1
         self.pool_flat = flat.reshape(p, n_layers * k)
         self.stride = _HASH_MUL % p
-        dtype = np.int16 if p * k <= np.iinfo(np.int16).max else np.int32
-        self.dtype = dtype
-        usable = math.gcd(self.stride, p) == 1 and (p + 1) * self.width * np.dtype(dtype).itemsize \
-            <= self.MAX_TABLE_BYTES
-        # From this many tokens a run is cheaper as two table rows ([L x E]) than gathered ([n, L x K]).
-        self.long_tokens = max(2, 2 * n_experts // max(k, 1)) if usable else np.iinfo(np.int64).max
+        self.n_blocks = -(-p // self.BLOCK)
+        usable = math.gcd(self.stride, p) == 1 and (self.n_blocks + 1) * self.width * 8 <= self.MAX_TABLE_BYTES
+        # From this many tokens a run is cheaper as table rows ([L x E]) and its ends than gathered ([n, L x K]).
+        self.long_tokens = max(2 * self.BLOCK, 2 * n_experts // max(k, 1)) if usable else np.iinfo(np.int64).max
         self.inverse = pow(self.stride, -1, p) if usable else 0
         self._prefix: np.ndarray | None = None
 
@@ -393,27 +394,41 @@ class _PoolCounts:
 
     @property
     def prefix(self) -> np.ndarray:
+        """``[blocks + 1, width]`` int64: at ``b`` the counts of the rows at cyclic indices below ``b x BLOCK``."""
         if self._prefix is None:
             p = self.n_pool
             order = (np.arange(p, dtype=np.int64) * self.stride) % p
-            onehot = np.zeros((p, self.width), self.dtype)
-            np.add.at(onehot, (np.arange(p)[:, None], self.pool_flat[order]), 1)
-            table = np.zeros((p + 1, self.width), self.dtype)
-            np.cumsum(onehot, axis=0, dtype=self.dtype, out=table[1:])
+            block = (np.arange(p, dtype=np.int64) // self.BLOCK)[:, None] * self.width
+            per_block = np.bincount((block + self.pool_flat[order]).reshape(-1), minlength=self.n_blocks * self.width)
+            table = np.zeros((self.n_blocks + 1, self.width), np.int64)
+            np.cumsum(per_block.reshape(self.n_blocks, self.width), axis=0, out=table[1:])
             self._prefix = table
         return self._prefix
 
-    def run_counts(self, j: int, n: int) -> np.ndarray:
-        """Counts ``[L x E + 1]`` of ``n`` consecutive tokens from cyclic index ``j`` (wrapping around the pool)."""
-        table, p = self.prefix, self.n_pool
+    def run_counts(self, j: int, n: int) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+        """Counts ``[width]`` of what the table counts of ``n`` consecutive tokens from cyclic index ``j``
+        (wrapping around the pool; None if nothing), and the ``(offset, length)`` pieces of the run it
+        leaves to gather (its ends, inside blocks)."""
+        table, p, size = self.prefix, self.n_pool, self.BLOCK
         laps, rest = divmod(n, p)
-        if j + rest <= p:
-            out = table[j + rest].astype(np.int64) - table[j]
-        else:
-            out = table[p].astype(np.int64) - table[j] + table[j + rest - p]
-        if laps:
-            out += laps * table[p].astype(np.int64)
-        return out
+        out = laps * table[-1] if laps else None  # every row once per lap
+        left: list[tuple[int, int]] = []
+        pieces = [(j, rest, 0)] if j + rest <= p else [(j, p - j, 0), (0, j + rest - p, p - j)]
+        for start, length, off in pieces:
+            stop = start + length
+            lo = -(-start // size)
+            hi = self.n_blocks if stop == p else stop // size
+            lo_at, hi_at = min(lo * size, p), min(hi * size, p)
+            if lo_at >= hi_at:
+                left.append((off, length))
+                continue
+            got = table[hi] - table[lo]
+            out = got if out is None else out + got
+            if lo_at > start:
+                left.append((off, lo_at - start))
+            if stop > hi_at:
+                left.append((off + hi_at - start, stop - hi_at))
+        return out, [piece for piece in left if piece[1] > 0]
 
 
 class _PrunedPool(NamedTuple):
