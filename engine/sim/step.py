@@ -128,6 +128,14 @@ class _Part(NamedTuple):
     splits: tuple[tuple[int, tuple[int, ...]], ...]
     n_admitted: int
     rows: int
+    where_of: np.ndarray | None = None
+    """Every expert's ``where`` (-1 not routed), indexed by expert id, where the part has it at hand."""
+
+    def where_of_split(self, expert: int) -> int:
+        """``where`` of a replicated run's expert."""
+        if self.where_of is not None:
+            return int(self.where_of[expert])
+        return int(self.where[np.searchsorted(self.experts, expert)])
 
 
 @dataclass
@@ -189,6 +197,7 @@ class StepPricer:
         self.lm_lut = cost.matmul_lut(f, spec.vocab_size, h, w, c, min(cfg.scheduler.max_batch_seqs, t_max)) \
             / self.fast_speed
         self._experts: dict[tuple[str, str, bool], np.ndarray] = {}
+        self._lut_lists: dict[tuple[str, str], list[float]] = {}
         fused_ok = self.native and not self.two_tier and self.host.fused_max_tokens_per_expert > 0
         self.fused_slots = self.host.fused_max_tokens_per_expert * e if fused_ok else -1
         self.fused_call = (cost.moe_call_lut(f, h, c, t_max, fused=True) / self.fast_speed).tolist()
@@ -246,6 +255,14 @@ class StepPricer:
                 speed = self.fast_speed  # the fused call runs on every runtime thread
             self._experts[key] = arr / speed
         return self._experts[key]
+
+    def _lut_list(self, side: str, precision: str) -> list[float]:
+        """:meth:`_lut` as a list (the same values), for lookups one token count at a time."""
+        key = (side, precision)
+        got = self._lut_lists.get(key)
+        if got is None:
+            got = self._lut_lists[key] = self._lut(side, precision).tolist()
+        return got
 
     # ----------------------------------------------------------------------------------- one step
     def price(self, layout: StepLayout, decisions: Sequence[LayerDecision], moves: StepMoves | None,
@@ -402,7 +419,7 @@ class StepPricer:
         for li in range(len(d)):
             routed = np.flatnonzero(d.where[li] >= 0)
             yield _Part(routed, d.counts[li, routed], d.where[li, routed], d.splits.get(li, ()), admitted[li],
-                        d.n_tokens)
+                        d.n_tokens, d.where[li])
 
     # ------------------------------------------------------------------------------ host-only MoE
     def _layer_host_only(self, d: LayerDecision, out: _Layer) -> None:
@@ -445,7 +462,7 @@ class StepPricer:
                 fast += n_by[code] * self.copy_hi
                 out.copies += n_by[code] * self.copy_hi
         for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
-            lut = self._lut("fast", self.precision_of[WHERE[int(a.where[np.searchsorted(a.experts, expert)])]])
+            lut = self._lut_list("fast", self.precision_of[WHERE[a.where_of_split(expert)]])
             fast += sum(lut[n] for n in split) - lut[sum(split)]
         out.fast += fast
         out.host += host
@@ -478,8 +495,8 @@ class StepPricer:
             else:
                 resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
         for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
-            where = WHERE[int(a.where[np.searchsorted(a.experts, expert)])]
-            lut = self._lut("fast", self.precision_of[where])
+            where = WHERE[a.where_of_split(expert)]
+            lut = self._lut_list("fast", self.precision_of[where])
             nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
             resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
         fetch_copy = int(n_by[3]) * self.copy_hi
