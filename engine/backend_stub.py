@@ -16,6 +16,7 @@ No torch: :meth:`StubBackend.from_checkpoint` reads a checkpoint's config and ro
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -278,17 +279,18 @@ class StubBackend:
         layer_index = {layer: i for i, layer in enumerate(self._spec.moe_layers)}
         ctl = self.controller
         names = {0: self.weight_precision, 1: lo or self.weight_precision, 2: hi}  # by tier code (expert_table's)
-        stats = []
+        stats: list[ExpertStat] = []
         for layer, counts in sorted(self.stats.counts.items()):
             n_e = len(counts)
             if self.plain:  # every expert resident as loaded
-                rows = zip([True] * n_e, [self.weight_precision] * n_e, [0] * n_e, strict=True)
+                resident, precision, replicas = [True] * n_e, [self.weight_precision] * n_e, [0] * n_e
             else:
                 codes = ctl.tiers[layer_index[layer]].tolist()
-                rows = zip([c > 0 for c in codes], [names[c] for c in codes], ctl.replicas[layer_index[layer]].tolist(),
-                           strict=True)
-            stats.extend(ExpertStat(layer, e, n, resident=r, precision=p, replicas=k)
-                         for e, (n, (r, p, k)) in enumerate(zip(counts.tolist(), rows, strict=True)))
+                resident, precision = [c > 0 for c in codes], [names[c] for c in codes]
+                replicas = ctl.replicas[layer_index[layer]].tolist()
+            # Positional, in field order (layer, expert, tokens, resident, precision, replicas): one per expert.
+            stats.extend(itertools.starmap(ExpertStat, zip(itertools.repeat(layer, n_e), range(n_e), counts.tolist(),
+                                                           resident, precision, replicas, strict=True)))
         decisions = self._log.entries if self._log is not None else None
         self._log = None
         self.controller.log = None

@@ -84,6 +84,9 @@ from engine.sequences import StepLayout
 from engine.sim import cost
 from engine.sim.profile import Profile
 
+_HOST, _FETCH = WHERE.index("host"), WHERE.index("fetch")
+_NONE = np.zeros(0, np.int64)
+
 FUSED_PRECISIONS = ("bf16", "fp16", "int8")
 """Precisions the CPU engine's fused layer call reads (``engine.moe.experts.fused_moe``)."""
 
@@ -287,9 +290,11 @@ class StepPricer:
             self._trivial_step(t, counts, lay)
         elif self.two_tier and isinstance(decisions, StepPlan) and not decisions.splits:
             self._step_plan(decisions, lay)
-        elif isinstance(decisions, StepPlan):  # layer by layer, from the plan's arrays (no prefetch in it)
+        elif isinstance(decisions, StepPlan) and self.two_tier:  # layer by layer (replicas), from the arrays
+            self._plan_two_tier(decisions, lay)
+        elif isinstance(decisions, StepPlan):  # host-only: likewise, part by part (no prefetch in a plan)
             for part in self._plan_parts(decisions):
-                (self._part if self.two_tier else self._part_host_only)(part, lay)
+                self._part_host_only(part, lay)
         else:
             for d in decisions:
                 if self.two_tier:
@@ -416,10 +421,14 @@ class StepPricer:
         """Each layer's one part of a step planned at once, read from its arrays (what
         :class:`~engine.moe.policy.controller.StepPlan` builds a layer decision from, without building it)."""
         admitted = d.n_admitted.tolist() if d.n_admitted is not None else [0] * len(d)
+        mask = d.where >= 0
+        experts = np.nonzero(mask)[1]  # routed experts, layer after layer, ascending within each
+        tokens, where = d.counts[mask], d.where[mask]
+        bounds = np.concatenate([[0], np.cumsum(mask.sum(1))]).tolist()
         for li in range(len(d)):
-            routed = np.flatnonzero(d.where[li] >= 0)
-            yield _Part(routed, d.counts[li, routed], d.where[li, routed], d.splits.get(li, ()), admitted[li],
-                        d.n_tokens, d.where[li])
+            lo, hi = bounds[li], bounds[li + 1]
+            yield _Part(experts[lo:hi], tokens[lo:hi], where[lo:hi], d.splits.get(li, ()), admitted[li], d.n_tokens,
+                        d.where[li])
 
     # ------------------------------------------------------------------------------ host-only MoE
     def _layer_host_only(self, d: LayerDecision, out: _Layer) -> None:
@@ -477,29 +486,75 @@ class StepPricer:
             self._part(part, out)
         out.queued += len(d.prefetch) * self.copy_hi
 
+    def _place_lut(self, code: int) -> np.ndarray:
+        """The table the runs of place ``code`` (an index into :data:`WHERE`) are priced by, two-tier."""
+        if code == _HOST:
+            return self._lut("host", self.host_prec)
+        return self._lut("fast", self.hi if code == _FETCH else self.precision_of[WHERE[code]])
+
     def _part(self, a: _Part, out: _Layer) -> None:
-        link = self.profile.link
-        assert link is not None
-        bw = self.fast.mem_bw_bytes_per_s * self.fast.bw_efficiency * self.expert_speed
-        n_by = np.bincount(a.where, minlength=4)
-        resident = fetched = host = 0.0
-        for code, where in enumerate(WHERE):
+        n_by = np.bincount(a.where, minlength=4).tolist()
+        sums, host_tokens = [0.0] * len(WHERE), 0
+        for code in range(len(WHERE)):
             if not n_by[code]:
                 continue
             tok = a.tokens[a.where == code]
-            if where == "host":
-                host += float(self._lut("host", self.host_prec)[tok].sum())
-                host += self.act_d2h(int(tok.sum())) + self.act_h2d(int(tok.sum()))
-            elif where == "fetch":
-                fetched += float(self._lut("fast", self.hi)[tok].sum())
+            sums[code] = float(self._place_lut(code)[tok].sum())
+            if code == _HOST:
+                host_tokens = int(tok.sum())
+        self._combine_part(n_by, sums, host_tokens, a, out)
+
+    def _plan_two_tier(self, d: StepPlan, out: _Layer) -> None:
+        """:meth:`_part` of every layer of a step plan: each (layer, place)'s runs gathered once for the
+        whole step, in expert order (a stable sort by layer and place), so each sum is the same."""
+        n_layers = len(d)
+        mask = d.where >= 0
+        layer_of, _ = np.nonzero(mask)
+        tokens, where = d.counts[mask], d.where[mask]
+        key = layer_of * len(WHERE) + where  # runs by (layer, place), experts ascending within each
+        order = np.argsort(key, kind="stable")
+        tokens, where = tokens[order], where[order]
+        seconds = np.empty(len(tokens))
+        for code, n in enumerate(d.runs_by_where):
+            if n:
+                at = where == code
+                seconds[at] = self._place_lut(code)[tokens[at]]
+        n_by = np.bincount(key, minlength=n_layers * len(WHERE)).reshape(n_layers, len(WHERE)).tolist()
+        bounds = np.concatenate([[0], np.cumsum(n_by)]).tolist()  # start of each (layer, place)'s runs
+        admitted = d.n_admitted.tolist() if d.n_admitted is not None else [0] * n_layers
+        for li in range(n_layers):
+            sums, host_tokens = [0.0] * len(WHERE), 0
+            for code in range(len(WHERE)):
+                if n_by[li][code]:
+                    lo, hi = bounds[li * len(WHERE) + code], bounds[li * len(WHERE) + code + 1]
+                    sums[code] = float(seconds[lo:hi].sum())
+                    if code == _HOST:
+                        host_tokens = int(tokens[lo:hi].sum())
+            part = _Part(_NONE, _NONE, _NONE, d.splits.get(li, ()), admitted[li], d.n_tokens, d.where[li])
+            self._combine_part(n_by[li], sums, host_tokens, part, out)
+
+    def _combine_part(self, n_by: list[int], sums: list[float], host_tokens: int, a: _Part, out: _Layer) -> None:
+        """A two-tier part from its runs per place, their seconds per place and its host tokens (rule 4)."""
+        link = self.profile.link
+        assert link is not None
+        bw = self.fast.mem_bw_bytes_per_s * self.fast.bw_efficiency * self.expert_speed
+        resident = fetched = host = 0.0
+        for code in range(len(WHERE)):
+            if not n_by[code]:
+                continue
+            if code == _HOST:
+                host += sums[code]
+                host += self.act_d2h(host_tokens) + self.act_h2d(host_tokens)
+            elif code == _FETCH:
+                fetched += sums[code]
             else:
-                resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
+                resident += sums[code]
         for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
             where = WHERE[a.where_of_split(expert)]
             lut = self._lut_list("fast", self.precision_of[where])
             nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
             resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
-        fetch_copy = int(n_by[3]) * self.copy_hi
+        fetch_copy = n_by[_FETCH] * self.copy_hi
         copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
         device = max(resident, copies_done) + fetched + (1.0 - link.overlap) * min(resident, fetch_copy)
         admits = a.n_admitted * self.copy_hi  # synchronous: the part waits for them

@@ -301,6 +301,27 @@ def test_pricing_all_layers_at_once_equals_layer_by_layer(monkeypatch, knobs):
     np.testing.assert_allclose(fast, slow, rtol=1e-12)
 
 
+@pytest.mark.parametrize("knobs, profile", [
+    (dict(residency="cache", resident_budget_gib=20, max_replicas=3, replica_window_tokens=64), "builtin:h100-pcie"),
+    (dict(max_replicas=2, resident_budget_gib=4, replica_window_tokens=64, missing_expert="host"), "builtin:h100-pcie"),
+    (dict(max_replicas=2, resident_budget_gib=2, replica_window_tokens=64), "builtin:spr"),
+])
+def test_step_plans_with_replicas_price_as_their_layer_decisions(monkeypatch, knobs, profile):
+    """A step plan with replicated runs (or on a host-only profile) is priced from its arrays; against
+    pricing the LayerDecision each layer builds: the same step times, bit for bit."""
+    from engine.sim import step
+
+    wl = _workload(10, 64, 16)
+    b = make_backend("shape:qwen3-30b-a3b", _small(**knobs), kind="sim", profile=profile)
+    fast = run_workload(b, wl, mode="offline")
+    assert fast.meta["tiers"]["replica_calls"] > 0
+    monkeypatch.setattr(step.StepPricer, "_plan_two_tier", lambda self, d, out: [self._layer(x, out) for x in d])
+    monkeypatch.setattr(step.StepPricer, "_plan_parts",
+                        staticmethod(lambda d: (p for x in d for p in step.StepPricer._parts(x))))
+    slow = run_workload(b, wl, mode="offline")
+    assert [s.duration_ms for s in fast.steps] == [s.duration_ms for s in slow.steps]
+
+
 def test_validate_sim_command_ends_with_its_json(make_ckpt, capsys):
     model = str(make_ckpt("qwen2_moe", seed=4, experts=16, top_k=4, width=32))
     rc = engine_main(["validate-sim", "--model", model, "--workload", "builtin:tiny", "--profile", "builtin:spr",
