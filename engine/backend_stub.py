@@ -16,6 +16,7 @@ No torch: :meth:`StubBackend.from_checkpoint` reads a checkpoint's config and ro
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -32,7 +33,7 @@ from engine.moe.policy.execution import CostModel
 from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves, counts_by_layer
 from engine.moe.policy.routing import prune_routes
 from engine.precision import FLOAT_PRECISIONS, PRECISIONS
-from engine.results import ExpertStat
+from engine.results import ExpertStat, ExpertStats
 from engine.sequences import Sequence, SequenceTable, StepLayout, StepOutcome
 
 if TYPE_CHECKING:
@@ -279,18 +280,11 @@ class StubBackend:
         layer_index = {layer: i for i, layer in enumerate(self._spec.moe_layers)}
         ctl = self.controller
         names = {0: self.weight_precision, 1: lo or self.weight_precision, 2: hi}  # by tier code (expert_table's)
-        stats: list[ExpertStat] = []
-        for layer, counts in sorted(self.stats.counts.items()):
-            n_e = len(counts)
-            if self.plain:  # every expert resident as loaded
-                resident, precision, replicas = [True] * n_e, [self.weight_precision] * n_e, [0] * n_e
-            else:
-                codes = ctl.tiers[layer_index[layer]].tolist()
-                resident, precision = [c > 0 for c in codes], [names[c] for c in codes]
-                replicas = ctl.replicas[layer_index[layer]].tolist()
-            # Positional, in field order (layer, expert, tokens, resident, precision, replicas): one per expert.
-            stats.extend(itertools.starmap(ExpertStat, zip(itertools.repeat(layer, n_e), range(n_e), counts.tolist(),
-                                                           resident, precision, replicas, strict=True)))
+        # What the records are made of, as of now (the next run starts afresh), made into records when read.
+        counts = [(layer, c.copy()) for layer, c in sorted(self.stats.counts.items())]
+        tiers = None if self.plain else (ctl.tiers.copy(), ctl.replicas.copy())
+        stats = ExpertStats(functools.partial(_expert_records, counts, [layer_index[layer] for layer, _ in counts],
+                                              tiers, names))
         decisions = self._log.entries if self._log is not None else None
         self._log = None
         self.controller.log = None
@@ -302,3 +296,23 @@ class StubBackend:
         return RunTail(expert_stats=stats, tiers=None if self.plain else self.controller.stats,
                        fast_tier_expert_bytes=None if self.plain else self.controller.resident_bytes(),
                        routes=routes, decisions=decisions)
+
+
+def _expert_records(counts: list[tuple[int, np.ndarray]], rows: list[int], tiers: tuple[np.ndarray, np.ndarray] | None,
+                    names: dict[int, str]) -> list[ExpertStat]:
+    """One :class:`ExpertStat` per expert of each MoE layer (``counts``: model layer index and routed tokens
+    per expert; ``rows``: each one's row in ``tiers``, the tier codes and replicas; None: every expert
+    resident in ``names[0]``, the loaded precision)."""
+    stats: list[ExpertStat] = []
+    for (layer, c), row in zip(counts, rows, strict=True):
+        n_e = len(c)
+        if tiers is None:  # every expert resident as loaded
+            resident, precision, replicas = [True] * n_e, [names[0]] * n_e, [0] * n_e
+        else:
+            codes = tiers[0][row].tolist()
+            resident, precision, replicas = [code > 0 for code in codes], [names[code] for code in codes], \
+                tiers[1][row].tolist()
+        # Positional, in field order (layer, expert, tokens, resident, precision, replicas): one per expert.
+        stats.extend(itertools.starmap(ExpertStat, zip(itertools.repeat(layer, n_e), range(n_e), c.tolist(), resident,
+                                                       precision, replicas, strict=True)))
+    return stats
