@@ -649,3 +649,36 @@ def test_plan_where_places_every_layer_as_plan_run_arrays_does(mode, tier_dtype)
         np.testing.assert_array_equal(where[layer], want)
     if mode == "auto":
         assert {2, 3} <= set(where[tiers == 0].tolist())  # some missing experts on the host, some fetched
+
+
+def _replicas_one_at_a_time(counts, threshold, max_replicas, spare, nbytes):
+    """plan_replicas' rule handed out literally: one replica at a time to the expert with the most
+    tokens per copy (ties: lower id) while it wants more and the layer has room."""
+    out = {}
+    for layer, row in enumerate(np.asarray(counts, dtype=np.float64)):
+        n = len(row)
+        limit = threshold * row.sum() / n
+        want = [min(math.ceil(c / limit) - 1, max_replicas) if row.sum() > 0 and c > limit else 0 for c in row]
+        want = [max(w, 1) if c > limit and row.sum() > 0 else 0 for w, c in zip(want, row, strict=True)]
+        given = [0] * n
+        for _ in range(min(spare[layer] // nbytes, max_replicas * n) if max_replicas else 0):
+            open_ = [e for e in range(n) if given[e] < want[e]]
+            if not open_:
+                break
+            pick = min(open_, key=lambda e: (-(row[e] / (given[e] + 1)), e))
+            given[pick] += 1
+        out[layer] = {e: g for e, g in enumerate(given) if g}
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicas_go_to_the_most_tokens_per_copy_as_if_one_at_a_time(seed):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 6, size=(4, 24)) * rng.choice([1, 10, 50], size=(4, 24))  # ties in count / k
+    counts[:, :3] *= 20  # a few hot experts
+    counts[3] = 0  # a layer without tokens
+    spare = [int(rng.integers(0, 3000)) for _ in range(4)]
+    for max_replicas in (1, 3, 7):
+        want = _replicas_one_at_a_time(counts, 1.5, max_replicas, spare, 100)
+        assert plan_replicas(counts, 1.5, max_replicas, spare, 100) == want
+    assert any(want.values())

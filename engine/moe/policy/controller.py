@@ -40,7 +40,7 @@ from engine.moe.policy.plan import (
     plan_where,
     tier_bytes,
 )
-from engine.moe.policy.replication import plan_replicas, split_tokens
+from engine.moe.policy.replication import plan_replicas
 from engine.moe.policy.residency import (
     TIER_CODES,
     DynamicResidency,
@@ -318,11 +318,15 @@ class ResidencyController:
         splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
         replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0) if s.max_replicas > 0 else None
         if replicated is not None and replicated.any():  # replicas exist only with max_replicas > 0
-            for li, e in zip(*np.nonzero(replicated), strict=True):
-                r = int(self.replicas[li, e])
-                splits.setdefault(int(li), ())
-                splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
-                st.replica_calls += r
+            layers, experts = np.nonzero(replicated)
+            copies = self.replicas[replicated] + 1
+            per_copy, extra = np.divmod(counts[replicated], copies)  # split_tokens: near-equal, extras first
+            by_layer: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+            for li, e, c, q, x in zip(layers.tolist(), experts.tolist(), copies.tolist(), per_copy.tolist(),
+                                      extra.tolist(), strict=True):
+                by_layer.setdefault(li, []).append((e, (q + 1,) * x + (q,) * (c - x)))
+            splits = {li: tuple(runs) for li, runs in by_layer.items()}
+            st.replica_calls += int((copies - 1).sum())
         return StepPlan(counts, where, t, splits, access, tuple(n_by))
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
