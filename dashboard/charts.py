@@ -373,6 +373,19 @@ def expert_heatmap(stats: pd.DataFrame, field: str) -> go.Figure:
     return _layout(fig, f"{titles.get(field, field)} per layer and expert", height=max(240, 22 * len(layers) + 120))
 
 
+def ep_ranks(tokens_per_rank_per_layer: Sequence[Sequence[int]]) -> go.Figure:
+    """Routed pairs each expert-parallel rank computed, per MoE layer (one bar group per layer)."""
+    grid = np.asarray(tokens_per_rank_per_layer, dtype=float)
+    layers = [str(i) for i in range(grid.shape[0])]
+    fig = go.Figure([go.Bar(name=f"rank {r}", x=layers, y=grid[:, r],
+                            hovertemplate=f"rank {r}, MoE layer %{{x}}: %{{y:.0f}} pairs<extra></extra>")
+                     for r in range(grid.shape[1])])
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title="MoE layer", type="category")
+    fig.update_yaxes(title="routed pairs")
+    return _layout(fig, "Routed pairs per rank and MoE layer")
+
+
 def arrival_rate(arrivals: pd.DataFrame) -> go.Figure:
     """Arrival rate (requests per second) per time bucket."""
     width = float(arrivals["t_s"].iloc[1] - arrivals["t_s"].iloc[0]) if len(arrivals) > 1 else 1.0

@@ -186,6 +186,11 @@ class Trial(Base):
     peak_device_mem_bytes: Mapped[int | None] = mapped_column(BigInteger)
     duration_s: Mapped[float | None]
     capacity_rps: Mapped[float | None]
+    ep_ranks: Mapped[int | None]
+    ep_imbalance_mean: Mapped[float | None]
+    ep_imbalance_max: Mapped[float | None]
+    ep_bytes_dispatched_per_step: Mapped[float | None]
+    ep_bytes_combined_per_step: Mapped[float | None]
     fidelity: Mapped[float | None]
     """Share of the workload's requests the trial's last measurement replayed (1: the whole workload)."""
     measured_s: Mapped[float | None]
@@ -320,6 +325,10 @@ class StepRow(Base):
     batch_seqs: Mapped[int]
     prefill_tokens: Mapped[int]
     decode_tokens: Mapped[int]
+    # Expert parallelism (NULL with one rank): bytes between ranks and max/mean pairs per rank.
+    ep_bytes_dispatched: Mapped[int | None] = mapped_column(BigInteger)
+    ep_bytes_combined: Mapped[int | None] = mapped_column(BigInteger)
+    ep_imbalance: Mapped[float | None]
 
     trial: Mapped[Trial] = relationship(back_populates="steps")
 

@@ -71,7 +71,8 @@ _REQUEST_KEYS = (
     "finish_reason",
     "itl_ms",
 )
-_STEP_KEYS = ("step", "start_s", "duration_ms", "batch_seqs", "prefill_tokens", "decode_tokens")
+_STEP_KEYS = ("step", "start_s", "duration_ms", "batch_seqs", "prefill_tokens", "decode_tokens", "ep_bytes_dispatched",
+              "ep_bytes_combined", "ep_imbalance")
 _EXPERT_KEYS = ("layer", "expert", "tokens", "resident", "precision", "replicas")
 _TELEMETRY_KEYS = ("t_s", "cpu_percent", "rss_bytes", "gpu_util_percent", "gpu_mem_bytes", "gpu_power_w")
 _EXPERT_DEFAULTS = {"resident": True, "precision": "", "replicas": 0}

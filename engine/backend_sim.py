@@ -222,6 +222,10 @@ class SimBackend(StubBackend):
                 "combine": "ring all_reduce over the interconnect", "interconnect": inter.to_dict(),
                 "calibrated": self.profile.calibrated}
 
+    def _step_ep(self) -> dict[str, Any] | None:
+        stats = self.pricer.ep_stats if self.pricer is not None else None
+        return stats.last_step() if stats is not None else None
+
     def finish(self) -> RunTail:
         tail = super().finish()
         if self.pricer is not None:

@@ -202,7 +202,11 @@ class StubBackend:
         for seq in finished:
             self._finished(seq.key)
         return StepOutcome(duration_s, layout.batch_seqs, layout.prefill_tokens, layout.decode_tokens, produced,
-                           finished)
+                           finished, self._step_ep())
+
+    def _step_ep(self) -> dict[str, Any] | None:
+        """The step's expert-parallel figures (the simulator prices ranks; the stub runs one)."""
+        return None
 
     def _price_reads_ids(self) -> bool:
         """Whether :meth:`_price` reads the step's routed ids (not only their counts)."""

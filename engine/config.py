@@ -271,6 +271,10 @@ class ParallelConfig:
 EXPERT_AREAS = ("experts", "execution", "routing")
 """Areas whose knobs, set away from their defaults, need the hybrid expert executor."""
 
+EP_HONOURS = ("execution.expert_sm_share",)
+"""Executor knobs expert parallelism honours itself (each rank's experts on a green context of that share
+of its GPU's SMs, the combine's collectives on the rest: ``engine.parallel.ep``)."""
+
 AREAS: dict[str, type] = {
     "runtime": RuntimeConfig,
     "scheduler": SchedulerConfig,
@@ -493,7 +497,7 @@ class EngineConfig:
                               f"experts.hi_precision={r.hi_precision!r}: the fallback copy must take fewer bytes")
         p = self.parallel
         if p.ep_size > 1:
-            hybrid = [k for k in departures_from_plain(self) if not k.startswith("routing.")]
+            hybrid = [k for k in departures_from_plain(self) if not k.startswith("routing.") and k not in EP_HONOURS]
             if hybrid:
                 k = hybrid[0]
                 area, name = k.split(".")

@@ -39,7 +39,7 @@ class Metric:
     """One row of the table."""
 
     name: str
-    unit: str  # "ms", "s", "tokens/s", "req/s", "share", "bytes", "count", "nats"
+    unit: str  # "ms", "s", "tokens/s", "req/s", "share", "bytes", "count", "nats", "ratio"
     label: str  # for axes and tables
     doc: str
     direction: str | None = None  # "maximize" | "minimize" for figures worth optimising
@@ -89,6 +89,20 @@ def _table() -> dict[str, Metric]:
                "output tokens per second of requests meeting every bound", "maximize"),
         Metric("capacity_rps", "req/s", "capacity (req/s)",
                "highest arrival rate at which SLO attainment stays at or above the target", "maximize", column=True),
+        # Expert parallelism (absent with one rank): from the run's ``meta["ep"]``, the same for both backends.
+        Metric("ep_ranks", "count", "EP ranks", "expert-parallel ranks the experts are split across", column=True,
+               integer=True),
+        Metric("ep_imbalance_mean", "ratio", "EP imbalance (mean)",
+               "max/mean routed pairs per rank, per MoE layer over the run, averaged over layers", "minimize",
+               column=True),
+        Metric("ep_imbalance_max", "ratio", "EP imbalance (max)",
+               "max/mean routed pairs per rank of the most imbalanced MoE layer over the run", "minimize",
+               column=True),
+        Metric("ep_bytes_dispatched_per_step", "bytes", "EP bytes dispatched/step",
+               "bytes sent to other ranks before the experts, per step (mean)", "minimize", column=True),
+        Metric("ep_bytes_combined_per_step", "bytes", "EP bytes combined/step",
+               "bytes exchanged between ranks to combine the experts' outputs, per step (mean)", "minimize",
+               column=True),
     ]
     for series, doc in LATENCIES.items():
         rows.append(Metric(latency_name(series), "ms", f"{series.upper()} mean (ms)", f"mean {doc}", "minimize",

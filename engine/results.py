@@ -63,6 +63,11 @@ class StepRecord:
     batch_seqs: int
     prefill_tokens: int
     decode_tokens: int
+    ep_bytes_dispatched: int | None = None
+    """Expert parallelism (None with one rank): bytes the step's MoE layers dispatched and combined
+    between ranks, and the mean over its MoE layers of max/mean pairs per rank."""
+    ep_bytes_combined: int | None = None
+    ep_imbalance: float | None = None
 
 
 @dataclass
@@ -199,6 +204,11 @@ class RunResult:
                 s[latency_name(name, q)] = percentile(clean, q)
         if self.quality:
             s.update({f"quality_{k}": v for k, v in self.quality.items()})
+        ep = (self.meta or {}).get("ep")
+        if ep:
+            s.update(ep_ranks=ep["ranks"], ep_imbalance_mean=ep["imbalance_mean"], ep_imbalance_max=ep["imbalance_max"],
+                     ep_bytes_dispatched_per_step=ep["bytes_dispatched_per_step_mean"],
+                     ep_bytes_combined_per_step=ep["bytes_combined_per_step_mean"])
         return s
 
     def to_dict(self, with_ids: bool = False) -> dict[str, Any]:

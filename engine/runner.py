@@ -98,8 +98,10 @@ def run_workload(backend: Backend | Any, workload: Workload, mode: Mode = "realt
             out = backend.step()
             clock.advance(out.duration_s)
             end_s = clock.now()
+            ep = out.ep or {}
             steps.append(StepRecord(len(steps), start_s, out.duration_s * 1e3, out.batch_seqs, out.prefill_tokens,
-                                    out.decode_tokens))
+                                    out.decode_tokens, ep.get("bytes_dispatched"), ep.get("bytes_combined"),
+                                    ep.get("imbalance")))
             for key, tok in out.tokens:
                 res = results[key]
                 if res.first_token_s is None:

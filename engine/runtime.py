@@ -396,8 +396,9 @@ class Engine:
                                                    self.config.sampling.ignore_eos)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        ep = self.model.ep.stats.last_step() if self.model.ep is not None else None
         return StepOutcome(time.perf_counter() - t0, layout.batch_seqs, layout.prefill_tokens,
-                           layout.decode_tokens, produced, finished)
+                           layout.decode_tokens, produced, finished, ep)
 
     def _sample(self, logits: torch.Tensor, order: list[Sequence]) -> torch.Tensor:
         """One token per row of ``logits`` [S', V]; row i belongs to ``order[i]``."""

@@ -84,6 +84,9 @@ class StepOutcome:
     decode_tokens: int
     tokens: list[tuple[str, int]]  # (request key, token id) in step order
     finished: list[Sequence]
+    ep: dict[str, Any] | None = None
+    """Under expert parallelism: this step's bytes dispatched and combined and its load imbalance
+    (:meth:`engine.moe.policy.placement.EPStats.last_step`); None with one rank."""
 
 
 @dataclass

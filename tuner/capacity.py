@@ -133,7 +133,7 @@ def find_capacity(probe: ProbeFn, target: float, start: float = 1.0, *, incumben
             step = min(step * step, MAX_STEP)
         else:
             hi = nxt
-    while hi / lo > 1.0 + rel_tol and len(probes) < max_probes:
+    while hi / lo > (1.0 + rel_tol) * (1.0 + 1e-9) and len(probes) < max_probes:  # a step of 1 + rel_tol is done
         mid = math.sqrt(lo * hi)
         if run(mid):
             lo = mid

@@ -233,7 +233,7 @@ class Measurer:
     def measure(self, fidelity: float = 1.0, *, start_rps: float | None = None, start_scale: float | None = None,
                 incumbent_rps: float | None = None, margin: float = 0.0, quality: Mapping[str, float] | None = None,
                 stop_on_miss: bool = False, first_step: float | None = None,
-                floor_rps: float | None = None) -> Measurement:
+                floor_rps: float | None = None, rel_tol: float | None = None) -> Measurement:
         """Measure the engine's current config at ``fidelity``.
 
         Capacity: the search starts at ``start_rps`` (or the rate scale ``start_scale``; else the study's
@@ -242,14 +242,15 @@ class Measurer:
         Other objectives: one replay; ``stop_on_miss`` stops it once the SLO cannot be met (pruning).
         ``quality`` (top-1 agreement, mean KL) joins the figures the objectives are read from.
         ``floor_rps`` replaces the lowest rate a capacity search probes (a re-run of a config that met the
-        target at no rate starts and ends there).
+        target at no rate starts and ends there); ``rel_tol`` the study's bisection tolerance (a confirmation
+        bisects no finer than its noise allows).
         """
         t0 = time.perf_counter()
         n = self.n_requests(fidelity)
         s = self.settings
         m = Measurement(s.objectives, None, fidelity, n)
         if s.capacity:
-            self._capacity(m, start_rps, start_scale, incumbent_rps, margin, first_step, floor_rps)
+            self._capacity(m, start_rps, start_scale, incumbent_rps, margin, first_step, floor_rps, rel_tol)
         else:
             replay = self._replay(s.rate_scale, n, stop="missed" if stop_on_miss else None)
             m.replays.append(replay)
@@ -282,7 +283,7 @@ class Measurer:
 
     def _capacity(self, m: Measurement, start_rps: float | None, start_scale: float | None,
                   incumbent_rps: float | None, margin: float, first_step: float | None,
-                  floor_rps: float | None = None) -> None:
+                  floor_rps: float | None = None, rel_tol: float | None = None) -> None:
         target = self.slo.attainment_target
         base = self.base_rate(m.n_requests)
         if target is None or base is None:
@@ -300,7 +301,7 @@ class Measurer:
         incumbent = (incumbent_rps / base) if incumbent_rps else None
         floor = floor_rps / base if floor_rps else min(start, incumbent or start) * s.floor_ratio
         found = cap.find_capacity(
-            probe, target, max(start, floor), incumbent=incumbent, margin=margin, rel_tol=s.rel_tol,
+            probe, target, max(start, floor), incumbent=incumbent, margin=margin, rel_tol=rel_tol or s.rel_tol,
             max_probes=s.max_probes, first_step=first_step, min_rate_scale=floor, max_rate_scale=top,
             rate_label=lambda scale: f"{scale * base:.3g} req/s")
         m.capacity = found

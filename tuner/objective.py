@@ -86,7 +86,8 @@ class Objective:
     prune: bool = True
     quality: bool = True
     """Measure output quality against the full-precision reference (False: no check runs, and every
-    trial records ``quality_check: "off"``)."""
+    trial records ``quality_check: "off"``; a searched trial pruned on the first rung before its check
+    records ``"pruned first"``)."""
     margin: Callable[[], float] = lambda: REL_TOL
     """The early-stop margin: the study's measured noise (relative spread of the objective) once known."""
     reconfigure_s: list[float] = field(default_factory=list)
@@ -160,20 +161,35 @@ class Objective:
         timing = self.measurer.apply(config, fresh=self._engine_suspect)
         self._engine_suspect = False
         self.reconfigure_s.append(timing["reconfigure_s"])
-        t = time.perf_counter()
-        quality, cached = self._quality(config)
-        timing["quality_s"] = time.perf_counter() - t
-        timing["quality_cached"] = cached
-        low = self._quality_problem(quality)
-        if low:
-            self._stop(trial, trial_id, "infeasible", f"trial {trial.number}: {low}; not measured further",
-                       summary=self._timing(timing, [], t_trial, quality))
         rungs = self.effective_rungs() if self.single else (1.0,)
+        # A searched trial the first rung may prune checks its quality only once it passes that rung (most
+        # trials of a long search are pruned there, and their quality is read by nothing); a trial whose
+        # objectives read quality, and every baseline, checks it first.
+        defer = (baseline is None and self.prune and len(rungs) > 1 and self.quality
+                 and not any(o.startswith("quality_") for o in self.objectives))
+        quality: dict[str, float] | None = None
+        timing.update(quality_s=0.0, quality_cached=False, quality_deferred=defer)
+
+        def check_quality() -> None:
+            nonlocal quality
+            t = time.perf_counter()
+            quality, timing["quality_cached"] = self._quality(config)
+            timing["quality_s"] = time.perf_counter() - t
+            timing["quality_deferred"] = False
+            low = self._quality_problem(quality)
+            if low:
+                self._stop(trial, trial_id, "infeasible", f"trial {trial.number}: {low}; not measured further",
+                           summary=self._timing(timing, done, t_trial, quality))
+
         done: list[Measurement] = []
+        if not defer:
+            check_quality()
         rung_values: dict[str, float] = {}
         margin = self.margin()
         for i, fidelity in enumerate(rungs):
             last = i == len(rungs) - 1
+            if i == 1 and defer:
+                check_quality()
             searched = baseline is None and self.prune and self.single
             # The early stop at the incumbent less the noise is for the first fidelity alone: a trial the
             # pruner promoted is competitive, and its bar would be a probe at a low rate (a long replay).
@@ -196,7 +212,10 @@ class Objective:
             trial.set_user_attr(ATTR_RUNGS, rung_values)
             if self.single and len(rungs) > 1:
                 trial.report(m.values[0], step=i + 1)  # successive halving's first rung is step 1
-                if not last and searched and trial.should_prune():
+                # Asking the pruner records the value as a competitor at this rung: a baseline asks too (and
+                # goes on whatever it says), so the first searched trials are measured against the baselines
+                # instead of being promoted for want of competitors.
+                if not last and trial.should_prune() and searched:
                     self._stop(trial, trial_id, "pruned",
                                f"{_fidelity(fidelity)}: {self.objectives[0]} {m.values[0]:.4g} is not among the best "
                                "at this fidelity (successive halving); not measured on the whole workload",
@@ -264,7 +283,8 @@ class Objective:
         if quality:
             out.update({f"quality_{k}": v for k, v in quality.items()})
         # Which path produced the quality figures: measured, or no check at all (--no-quality).
-        out["quality_check"] = ("cached" if timing.get("quality_cached") else "measured") if quality else "off"
+        out["quality_check"] = ("cached" if timing.get("quality_cached") else "measured") if quality else \
+            "pruned first" if timing.get("quality_deferred") else "off"
         return out
 
     def _quality(self, config: EngineConfig) -> tuple[dict[str, float] | None, bool]:

@@ -122,6 +122,20 @@ def pick_confirmed(trials: list[Trial], objective: str, top: int) -> list[Trial]
     return out
 
 
+#: The coarsest bisection a confirmation run stops at (a bracket 25 % wide: the estimate within 12 %).
+MAX_CONFIRM_TOL = 0.25
+
+
+def confirm_tolerance(noise_rel_spread: float | None, rel_tol: float) -> float:
+    """The bisection tolerance of a confirmation run: half the study's measured noise (its relative spread),
+    between the search's ``rel_tol`` and :data:`MAX_CONFIRM_TOL`. A finer bracket buys nothing the repeats
+    can show: a run's bracket error (at most half the tolerance) then adds a few percent to the spread of
+    the repeats, and every halving of it costs a probe a run, the longest probes of a slow config."""
+    if noise_rel_spread is None:
+        return rel_tol
+    return min(MAX_CONFIRM_TOL, max(rel_tol, noise_rel_spread / 2))
+
+
 def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats: int,
             say: Say = log.info) -> int | None:
     """Re-measure the top searched configs and every baseline ``repeats`` times, interleaved; returns the
@@ -138,14 +152,19 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats:
         picks = pick_confirmed(list(s.scalars(select(Trial).where(Trial.study_id == study_id))), objective, top)
         session_no = max(1, next_session(s, study_id, "confirm"))
         direction = direction_of(study)
+        n = noise(s, study)
         for t in picks:
             s.expunge(t)
+    base_tol = measurer.settings.rel_tol
+    tol = confirm_tolerance(n.rel_spread if n is not None else None, base_tol)
     if not picks:
         say("confirm: no complete trial to confirm")
         return None
     labels = [f"{t.number}" + (f" [{t.baseline_name}]" if t.baseline_name else "") for t in picks]
     say(f"confirm: {len(picks)} configs x {repeats} runs, interleaved ({direction} {objective}): "
-        + " ".join(labels) + (" ..." if repeats > 1 else ""))
+        + " ".join(labels) + (" ..." if repeats > 1 else "")
+        + (f"; each run bisected to {tol:.0%} (half the noise, {n.rel_spread:.0%})"
+           if measurer.settings.capacity and n is not None and tol > base_tol else ""))
     seq = 0
     last: dict[int, float | None] = {t.id: _value(t, objective) for t in picks}
     # A config whose search met the target at no rate is re-run at the lowest rate that search tried.
@@ -156,7 +175,7 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats:
             try:
                 measurer.apply(config)
                 m = measurer.measure(1.0, start_rps=last[t.id] or floor.get(t.id), first_step=cap.WARM_STEP,
-                                     floor_rps=floor.get(t.id))
+                                     floor_rps=floor.get(t.id), rel_tol=tol)
             except Exception as e:  # noqa: BLE001 - one failed run must not lose the session
                 log.warning("confirm: trial %s run %d failed: %s", t.number, r + 1, e)
                 measurer.apply(config, fresh=True)

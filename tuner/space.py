@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import (
+    EP_HONOURS,
     HOTNESS_RESIDENCIES,
     ConfigError,
     EngineConfig,
@@ -385,7 +386,7 @@ def build_space(
             # Expert parallelism runs every expert resident on its rank: the hybrid executor's knobs act
             # only at one rank (the engine refuses them beside ep_size > 1, a trial spent for nothing).
             for key, k in candidates.items():
-                if k.executor:
+                if k.executor and key not in EP_HONOURS:
                     when_of.setdefault(key, []).append(Condition(key, "parallel.ep_size", (1,)))
     params = [param_from_knob(k, tuple(c for c in when_of.get(k.key, ()) if c.parent in candidates))
               for k in candidates.values()]

@@ -158,6 +158,22 @@ else:
     if tiers:
         st.caption("Tier traffic: " + ", ".join(f"{k} {v}" for k, v in tiers.items()))
 
+# --- expert parallelism
+ep = (t["meta"] or {}).get("ep")
+if t.get("ep_ranks"):
+    st.subheader("Expert parallelism")
+    cols = st.columns(4)
+    cols[0].metric("ranks", int(t["ep_ranks"]))
+    cols[1].metric("imbalance mean", ui.fmt(t["ep_imbalance_mean"], ".3f"),
+                   help="max/mean routed pairs per rank, per MoE layer over the run, averaged over layers")
+    cols[2].metric("imbalance max", ui.fmt(t["ep_imbalance_max"], ".3f"), help="the most imbalanced MoE layer")
+    cols[3].metric("combined per step (KiB)", ui.fmt((t["ep_bytes_combined_per_step"] or 0) / 1024, ".4g"),
+                   help="bytes the ranks exchanged to combine the experts' outputs, per step (mean)")
+    if ep and ep.get("tokens_per_rank_per_layer"):
+        st.plotly_chart(charts.ep_ranks(ep["tokens_per_rank_per_layer"]), key="ep_ranks")
+        st.caption(f"placement {ep['placement']['policy']}, combine {ep['combine']} in {ep['combine_chunks']} "
+                   f"chunk(s); pairs per rank {ep['tokens_per_rank']}")
+
 c1, c2 = st.columns(2)
 with c1:
     ui.link("compare", "Compare with the best trial", study=info["name"],

@@ -41,6 +41,9 @@
 //   moe_q(h, w13[], s13[], w2[], s2[], ids, gates, group, path): moe for any weight format and path
 //   quantize_q8(x[T,K], group) -> (q int8 [T,K], d f32 [T,K/32], group sums f32 [T,K/group]): the
 //     activations the q8 mode multiplies with (for tests and references)
+//   quantize_int8(w[N,K] f32) -> (q int8 [N,K], s bf16 [N]); quantize_int4(w[N,K] f32, group, n_pad, pack)
+//     -> (values or packed bytes uint8 [n_pad, K or K/2], (scale, zero) bf16 [K/group,n_pad,2]): weights
+//     into the engine's formats, bit for bit as engine/moe/quant.py's PyTorch reference, in one pass
 //   isa() -> the default variant; variants() -> (compiled, runnable here); set_isa(name | "auto");
 //   cpu_features() -> what CPUID/XGETBV report (avx2, avx512_bf16, amx_tile, ...)
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
@@ -79,6 +82,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // ISA variants, in the order of preference (higher = preferred where the CPU runs it).
@@ -551,6 +555,149 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x, 
   return {q, d, gs};
 }
 
+// ------------------------------------------------------------------------------ weight quantization
+// The engine's integer weight formats from fp32 weights, bit for bit as engine/moe/quant.py's PyTorch
+// reference computes them (the same fp32 operations in the same order, bf16 rounded to nearest even,
+// values rounded half to even), in one pass over the weight instead of a dozen: quantizing every
+// expert of a model is load time, and a tuner's reconfigure.
+
+// Vector helpers (the build's -march: AVX2 where the machine has it, else the scalar loops, same bits).
+inline void min_max(const float* x, int64_t n, float& lo, float& hi) {
+  int64_t j = 0;
+  lo = hi = x[0];
+#if defined(__AVX2__)
+  if (n >= 8) {
+    __m256 vlo = _mm256_loadu_ps(x), vhi = vlo;
+    for (j = 8; j + 8 <= n; j += 8) {
+      const __m256 v = _mm256_loadu_ps(x + j);
+      vlo = _mm256_min_ps(vlo, v);
+      vhi = _mm256_max_ps(vhi, v);
+    }
+    alignas(32) float l[8], h[8];
+    _mm256_store_ps(l, vlo);
+    _mm256_store_ps(h, vhi);
+    lo = l[0], hi = h[0];
+    for (int i = 1; i < 8; ++i) lo = std::min(lo, l[i]), hi = std::max(hi, h[i]);
+  }
+#endif
+  for (; j < n; ++j) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+}
+
+inline float abs_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float m = 0.f;
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vm = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vm);
+  for (float v : t) m = std::max(m, v);
+#endif
+  for (; j < n; ++j) m = std::max(m, std::fabs(x[j]));
+  return m;
+}
+
+// out[j] = clamp(round_half_even((x[j] - z) / s + add), lo, hi), as int8 or uint8 (T). With z = add = 0 it
+// is round(x / s): x - 0 and y + 0 are x and y (a zero's sign aside, which rounding to an integer drops).
+template <typename T>
+inline void levels(const float* x, int64_t n, float z, float s, float add, float lo, float hi, T* out) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 vz = _mm256_set1_ps(z), vs = _mm256_set1_ps(s), va = _mm256_set1_ps(add);
+  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vz), vs), va);
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(vhi, _mm256_max_ps(vlo, v));
+    const __m256i i32 = _mm256_cvtps_epi32(v);
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    const __m128i i8 = std::is_signed<T>::value ? _mm_packs_epi16(i16, i16) : _mm_packus_epi16(i16, i16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), i8);
+  }
+#endif
+  for (; j < n; ++j) out[j] = static_cast<T>(std::min(hi, std::max(lo, std::nearbyint((x[j] - z) / s + add))));
+}
+
+// int8 with one bf16 scale a row: s = bf16(max(amax|w|, 1e-12) / 127), q = clamp(round(w / s), -127, 127).
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& w) {
+  check_act(w, "quantize_int8");
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor q = at::empty({N, K}, w.options().dtype(at::kChar));
+  at::Tensor s = at::empty({N}, w.options().dtype(at::kBFloat16));
+  const float* wp = w.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  uint16_t* sp = reinterpret_cast<uint16_t*>(s.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = wp + r * K;
+      const uint16_t sb = f_to_bf16(std::max(abs_max(x, K), 1e-12f) / 127.f);
+      levels<int8_t>(x, K, 0.f, bf16_to_f(sb), 0.f, -127.f, 127.f, qp + r * K);
+      sp[r] = sb;
+    }
+  });
+  return {q, s};
+}
+
+// Group-wise asymmetric int4 (tinygemm's convention): per group of `group` input channels,
+// s = bf16(max((hi - lo) / 15, 1e-12)), z = bf16(lo + 8 s), q = clamp(round((w - z) / s + 8), 0, 15), so
+// that w = (q - 8) s + z. Rows N..n_pad-1 are zero rows. Returns the values, and (s, z) as bf16
+// [K / group, n_pad, 2]. `pack`: "values" (uint8 [n_pad, K], one value a byte), "plain" (uint8
+// [n_pad, K/2], value 2i in the high nibble of byte i, 2i+1 in the low one: quant.py's int4_plain) or
+// "native" (the int4 weight format of these kernels, see the header; K a multiple of 32).
+std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& w, int64_t group, int64_t n_pad,
+                                                 const std::string& pack) {
+  check_act(w, "quantize_int4");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(group > 0 && K % group == 0, "moetune::quantize_int4: in_features ", K,
+              " must be a multiple of the group size ", group);
+  TORCH_CHECK(n_pad >= N, "moetune::quantize_int4: n_pad ", n_pad, " is below the ", N, " rows");
+  const int mode = pack == "values" ? 0 : pack == "plain" ? 1 : pack == "native" ? 2 : -1;
+  TORCH_CHECK(mode >= 0, "moetune::quantize_int4: pack '", pack, "' is not one of values, plain, native");
+  TORCH_CHECK(mode == 0 || K % (mode == 2 ? kQBlock : 2) == 0, "moetune::quantize_int4: in_features ", K,
+              " cannot be packed as ", pack);
+  const int64_t G = K / group, row_bytes = mode == 0 ? K : K / 2;
+  at::Tensor q = at::empty({n_pad, row_bytes}, w.options().dtype(at::kByte));
+  at::Tensor sz = at::empty({G, n_pad, 2}, w.options().dtype(at::kBFloat16));
+  const float* wp = w.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  uint16_t* szp = reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
+  // A zero row: lo = hi = 0, s at its floor, z = 8 s, every value (0 - z) / s + 8 = 0.
+  const uint16_t s0 = f_to_bf16(1e-12f), z0 = f_to_bf16(8.f * bf16_to_f(s0));
+  at::parallel_for(0, n_pad, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> buf(mode == 0 ? 0 : K);
+    for (int64_t r = r0; r < r1; ++r) {
+      uint8_t* out = qp + r * row_bytes;
+      uint8_t* v = mode == 0 ? out : buf.data();
+      for (int64_t g = 0; g < G; ++g) {
+        uint16_t sb = s0, zb = z0;
+        if (r < N) {
+          const float* x = wp + r * K + g * group;
+          float lo, hi;
+          min_max(x, group, lo, hi);
+          sb = f_to_bf16(std::max((hi - lo) / 15.f, 1e-12f));
+          zb = f_to_bf16(lo + 8.f * bf16_to_f(sb));
+          levels<uint8_t>(x, group, bf16_to_f(zb), bf16_to_f(sb), 8.f, 0.f, 15.f, v + g * group);
+        } else {
+          std::memset(v + g * group, 0, group);
+        }
+        szp[(g * n_pad + r) * 2] = sb;
+        szp[(g * n_pad + r) * 2 + 1] = zb;
+      }
+      if (mode == 1) {
+        for (int64_t i = 0; i < K / 2; ++i) out[i] = static_cast<uint8_t>((v[2 * i] << 4) | v[2 * i + 1]);
+      } else if (mode == 2) {
+        int64_t c = 0;
+        for (; c + 64 <= K; c += 64)
+          for (int64_t j = 0; j < 32; ++j) out[c / 2 + j] = static_cast<uint8_t>(v[c + j] | (v[c + 32 + j] << 4));
+        if (c < K)
+          for (int64_t j = 0; j < 16; ++j) out[c / 2 + j] = static_cast<uint8_t>(v[c + j] | (v[c + 16 + j] << 4));
+      }
+    }
+  });
+  return {q, sz};
+}
+
 // ------------------------------------------------------------------------------ MoE ops
 
 void check_routes(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& gates) {
@@ -1021,6 +1168,8 @@ TORCH_LIBRARY(moetune, m) {
         &linear_q);
   m.def("linear_int8(Tensor x, Tensor q, Tensor scales) -> Tensor", &linear_int8);
   m.def("quantize_q8(Tensor x, int group) -> (Tensor, Tensor, Tensor)", &quantize_q8);
+  m.def("quantize_int8(Tensor w) -> (Tensor, Tensor)", &quantize_int8);
+  m.def("quantize_int4(Tensor w, int group, int n_pad, str pack) -> (Tensor, Tensor)", &quantize_int4);
   m.def("moe(Tensor h, Tensor w13, Tensor w2, Tensor ids, Tensor gates, str path='') -> Tensor", &moe);
   m.def("moe_list(Tensor h, Tensor?[] w13, Tensor?[] w2, Tensor ids, Tensor gates) -> Tensor", &moe_list);
   m.def("moe_list_int8(Tensor h, Tensor?[] q13, Tensor?[] s13, Tensor?[] q2, Tensor?[] s2, Tensor ids, "

@@ -108,6 +108,48 @@ def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: to
     return ExpertVersion(qa, qb, precision, device, qa.nbytes() + qb.nbytes())
 
 
+
+@dataclass
+class SmPartition:
+    """A CUDA green context holding ``expert_sms`` of the device's ``sms`` SMs and a stream on it, for expert
+    compute; ``inert`` says why there is none where a share below 1 was asked for."""
+
+    stream: Any = None
+    green: Any = None
+    expert_sms: int = 0
+    sms: int = 0
+    inert: str | None = None
+
+
+def sm_partition(device: torch.device, share: float) -> SmPartition:
+    """``execution.expert_sm_share`` as a real SM partition (None on the CPU or at a share of 1).
+
+    Green contexts (CUDA 12.4+ driver API, exposed as ``torch.cuda.green_contexts``) confine the kernels
+    of their streams to their SMs; transfers, attention and collectives stay on the default context's
+    streams (expert parallelism also caps NCCL's CTAs to the rest: ``engine.parallel.group``)."""
+    if device.type != "cuda" or share >= 1.0:
+        return SmPartition()
+    try:
+        from torch.cuda.green_contexts import SUPPORTED, GreenContext
+    except ImportError:
+        SUPPORTED = False
+    if not SUPPORTED:
+        return SmPartition(inert="this PyTorch build has no CUDA green contexts")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = expert_sms(share, sms)
+    try:
+        green = GreenContext.create(num_sms=n, device_id=device.index or 0)
+        stream = green.Stream()
+    except Exception as e:  # driver too old, MIG, ...: say so rather than ignore the knob
+        return SmPartition(inert=f"green context with {n} SMs failed: {e}")
+    log.info("expert compute on a green context of %d of %d SMs", n, sms)
+    return SmPartition(stream, green, n, sms)
+
+
+def expert_sms(share: float, sms: int) -> int:
+    """SMs a share gives expert compute: at least one, and one left for everything else."""
+    return min(max(1, int(round(share * sms))), max(1, sms - 1))
+
 class VersionCache:
     """Quantized expert versions (int8, int4) built from one loaded decoder's weights, kept for the
     executors that a reconfigure builds later on the same weights: a tuner trying int8 or int4 experts
@@ -369,32 +411,13 @@ class HybridExperts:
                 self._version(layer, change.expert, self.hi) for _ in range(change.replicas))
 
     def _sm_partition_stream(self) -> torch.cuda.Stream | None:
-        """A stream on a CUDA green context holding ``expert_sm_share`` of the SMs, for expert compute.
-
-        Green contexts (CUDA 12.4+ driver API, exposed as ``torch.cuda.green_contexts``) give a real SM
-        partition; transfers and attention stay on the default context's streams. Where they are not
-        available the knob is reported inert with the reason.
-        """
-        share = self.config.execution.expert_sm_share
-        if self.device.type != "cuda" or share >= 1.0:
-            return None
-        try:
-            from torch.cuda.green_contexts import SUPPORTED, GreenContext
-        except ImportError:
-            SUPPORTED = False
-        if not SUPPORTED:
-            self.inert["execution.expert_sm_share"] = "this PyTorch build has no CUDA green contexts"
-            return None
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        n = max(1, int(round(share * sms)))
-        try:
-            self._green = GreenContext.create(num_sms=n, device_id=self.device.index or 0)
-            stream = self._green.Stream()
-        except Exception as e:  # driver too old, MIG, ...: say so rather than ignore the knob
-            self.inert["execution.expert_sm_share"] = f"green context with {n} SMs failed: {e}"
-            return None
-        log.info("expert compute on a green context of %d of %d SMs", n, sms)
-        return stream
+        """A stream on a CUDA green context holding ``expert_sm_share`` of the SMs, for expert compute
+        (:func:`sm_partition`); where none can be had the knob is reported inert with the reason."""
+        part = sm_partition(self.device, self.config.execution.expert_sm_share)
+        if part.inert:
+            self.inert["execution.expert_sm_share"] = part.inert
+        self._green = part.green
+        return part.stream
 
     # ------------------------------------------------------------------ execution
     @contextmanager

@@ -57,7 +57,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -235,16 +235,48 @@ def quantize(w: torch.Tensor, precision: Precision, group_size: int = _GROUP, na
     if precision in FLOAT_DTYPES:
         data = w.detach().to(FLOAT_DTYPES[precision]).contiguous()
         return QWeight(precision, (n, k), None, "dense", "linear", data)
-    wf = w.detach().float()
+    wf = w.detach().float().contiguous()
+    ops = _native_quantizer(wf)
     if precision == "int8":
-        amax = wf.abs().amax(dim=1).clamp_min(1e-12)  # [out]
-        s = (amax / 127).to(_SCALE_DTYPE)  # stored scale; q is computed against it, so dequant is exact
-        q = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return QWeight("int8", (n, k), None, "int8_rows", _pick_kernel("int8", dev, (n, k)), q.contiguous(), s)
+        q, s = ops.quantize_int8(wf) if ops is not None else _quantize_int8_torch(wf)
+        return QWeight("int8", (n, k), None, "int8_rows", _pick_kernel("int8", dev, (n, k)), q, s)
     if precision == "int4":
         check_group_size(k, group_size)
-        return _relayout_int4(_quantize_int4_plain(wf, group_size), _int4_layout_for(dev, k, group_size, native))
+        layout = _int4_layout_for(dev, k, group_size, native)
+        n_pad = _round_up(n, INT4_ROW_MULTIPLE)
+        if ops is not None and layout in _KERNEL_PACKS:  # values, scales and packing in one pass
+            data, sz = ops.quantize_int4(wf, group_size, n_pad, _KERNEL_PACKS[layout])
+        else:
+            values, sz = ops.quantize_int4(wf, group_size, n_pad, "values") if ops is not None else \
+                _quantize_int4_torch(wf, group_size)
+            data = _pack_int4(values, layout)
+        return QWeight("int4", (n, k), group_size, layout, _INT4_KERNEL[layout], data, sz)
     raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+#: int4 layouts moetune's kernels pack while they quantize (the others pack from the values in PyTorch).
+_KERNEL_PACKS: dict[str, str] = {"int4_plain": "plain", "int4_native": "native"}
+
+
+def _native_quantizer(wf: torch.Tensor) -> Any:
+    """moetune's kernels where they can quantize ``wf`` (a CPU weight, the kernels built), else None: they
+    compute the same bits as the PyTorch reference (``_quantize_int8_torch``, ``_quantize_int4_torch``) in
+    one pass over the weight, so which one ran changes no result, only the load or reconfigure time."""
+    if wf.device.type != "cpu" or not _native_kernels_ok():
+        return None
+    from engine import kernels
+
+    return kernels.ops()
+
+
+@torch.no_grad()
+def _quantize_int8_torch(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 per output channel (the reference): q int8 [N, K] and the bf16 scale [N] it is computed against,
+    so that dequantising is exact."""
+    amax = wf.abs().amax(dim=1).clamp_min(1e-12)  # [out]
+    s = (amax / 127).to(_SCALE_DTYPE)
+    q = torch.round(wf / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), s
 
 
 @torch.no_grad()
@@ -521,7 +553,15 @@ def kernel_report() -> dict[str, dict[str, str]]:
 
 # ---------------------------------------------------------------------------------------- int4 layouts
 def _quantize_int4_plain(w: torch.Tensor, group_size: int) -> QWeight:
-    """Group-wise asymmetric int4 (tinygemm convention) in the portable layout; (s, z) exact in bf16."""
+    """Group-wise asymmetric int4 (tinygemm convention) in the portable layout, by the reference."""
+    values, sz = _quantize_int4_torch(w, group_size)
+    return QWeight("int4", tuple(w.shape), group_size, "int4_plain", "dequant", _pack_plain(values), sz)
+
+
+@torch.no_grad()
+def _quantize_int4_torch(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric int4 (tinygemm convention; the reference): the values uint8 [N', K] in [0, 15]
+    (rows padded to :data:`INT4_ROW_MULTIPLE` with zero rows) and (s, z) bf16 [G, N', 2], exact in bf16."""
     n, k = w.shape
     n_pad = _round_up(n, INT4_ROW_MULTIPLE)
     wf = torch.zeros(n_pad, k, device=w.device)
@@ -532,7 +572,20 @@ def _quantize_int4_plain(w: torch.Tensor, group_size: int) -> QWeight:
     z = (lo + 8 * s).to(_SCALE_DTYPE).float()  # zero point in the float domain: w = (q - 8) * s + z
     q = torch.round((wg - z[..., None]) / s[..., None] + 8).clamp_(0, 15).to(torch.uint8).view(n_pad, k)
     sz = torch.stack([s, z], dim=-1).transpose(0, 1).to(_SCALE_DTYPE).contiguous()  # [G, N', 2]
-    return QWeight("int4", (n, k), group_size, "int4_plain", "dequant", _pack_plain(q), sz)
+    return q, sz
+
+
+def _pack_int4(values: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """uint8 values [N', K] in [0, 15] packed for ``layout`` (on their device)."""
+    if layout == "int4_plain":
+        return _pack_plain(values)
+    if layout == "int4_native":
+        return _pack_native(values)
+    if layout == "int4_cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 2)
+    k = values.shape[1]
+    inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+    return torch.ops.aten._convert_weight_to_int4pack(_pack_plain(values), inner_k_tiles)
 
 
 def _pack_plain(q: torch.Tensor) -> torch.Tensor:
@@ -619,15 +672,4 @@ def _relayout_int4(qw: QWeight, layout: Layout) -> QWeight:
     """The same int4 weight in ``layout`` on its device (the packing ops run where the data is)."""
     if qw.layout == layout:
         return qw
-    plain = _pack_plain(_int4_values(qw)) if qw.layout != "int4_plain" else qw.data
-    if layout == "int4_plain":
-        data = plain
-    elif layout == "int4_native":
-        data = _pack_native(_unpack_plain(plain))
-    elif layout == "int4_cpu":
-        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(_unpack_plain(plain).to(torch.int32), 2)
-    else:
-        k = qw.shape[1]
-        inner_k_tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-        data = torch.ops.aten._convert_weight_to_int4pack(plain, inner_k_tiles)
-    return replace(qw, layout=layout, kernel=_INT4_KERNEL[layout], data=data)
+    return replace(qw, layout=layout, kernel=_INT4_KERNEL[layout], data=_pack_int4(_int4_values(qw), layout))

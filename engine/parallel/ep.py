@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.model.checkpoint import Checkpoint
+from engine.moe.experts import sm_partition
 from engine.moe.policy.placement import (
     EPStats,
     Placement,
@@ -52,6 +53,11 @@ class EPExperts:
         p = config.parallel
         self.policy, self.redundant, self.chunks = p.ep_placement, p.redundant_experts, p.ep_combine_chunks
         self.moe_layers = list(spec.moe_layers)
+        # CUDA with execution.expert_sm_share < 1: experts on a green context of that share of the SMs, the
+        # combine's NCCL kernels capped to the rest (engine.parallel.group.group_options), so a chunk's
+        # all-reduce runs beside the next chunk's experts on SMs of its own.
+        self.sm_share = config.execution.expert_sm_share
+        self.part = sm_partition(device, self.sm_share)
         self.stats = EPStats(n_ranks, len(self.moe_layers), spec.hidden_size, torch.empty((), dtype=dtype).element_size())
         self.placement: Placement | None = None
         self.w13: list[torch.Tensor] = []
@@ -111,15 +117,27 @@ class EPExperts:
         chunks = len(bounds) - 1
         out = torch.empty_like(h)
         pending = []
+        green = self.part.stream
+        current = torch.cuda.current_stream(h.device) if green is not None else None
         with self._guard("the combine of a MoE layer"):
             for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                 rows = local[a:b]
                 counts = np.bincount(rows[rows >= 0], minlength=n_local)
-                if counts.sum():
-                    y = run(self.w13[layer], self.w2[layer], h[a:b], weights[a:b], local_t[a:b], counts)
-                else:
-                    y = torch.zeros(b - a, h.shape[1], dtype=h.dtype, device=h.device)
-                y = y.contiguous()
+
+                def experts(a: int = a, b: int = b, counts: np.ndarray = counts) -> torch.Tensor:
+                    if counts.sum():
+                        return run(self.w13[layer], self.w2[layer], h[a:b], weights[a:b], local_t[a:b],
+                                   counts).contiguous()
+                    return torch.zeros(b - a, h.shape[1], dtype=h.dtype, device=h.device)
+
+                if green is None:
+                    y = experts()
+                else:  # on the experts' SMs, after what produced h; the all-reduce waits for this chunk only
+                    green.wait_stream(current)
+                    with torch.cuda.stream(green):
+                        y = experts()
+                    current.wait_stream(green)
+                    y.record_stream(current)
                 # The last chunk's sum is waited on at once; earlier ones run behind the next chunk's experts.
                 pending.append((a, b, y, dist.all_reduce(y, async_op=chunks > 1)))
             for a, b, y, work in pending:
@@ -136,7 +154,15 @@ class EPExperts:
     def describe(self) -> dict:
         """The placement and the run's figures, JSON-able (rank 0's view of every rank)."""
         assert self.placement is not None
-        return ep_record(self.placement, self.stats, self.chunks, self.redundant)
+        part = self.part
+        if part.stream is not None:
+            from engine.parallel.group import comm_ctas
+
+            sm = {"expert_sms": part.expert_sms, "sms": part.sms,
+                  "comm_max_ctas": comm_ctas(self.sm_share, part.sms)}
+        else:
+            sm = {"inert": part.inert} if part.inert else None
+        return ep_record(self.placement, self.stats, self.chunks, self.redundant, sm)
 
 
 class _NoGuard:

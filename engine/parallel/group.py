@@ -68,6 +68,29 @@ def backend_for(device_type: str) -> str:
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
+def comm_ctas(share: float, sms: int) -> int | None:
+    """NCCL's CTA cap under an SM partition: the SMs ``execution.expert_sm_share`` leaves to everything but
+    expert compute (None at a share of 1: NCCL picks its own)."""
+    if share >= 1.0:
+        return None
+    from engine.moe.experts import expert_sms
+
+    return max(1, sms - expert_sms(share, sms))
+
+
+def group_options(setup: RankSetup, rank: int) -> Any:
+    """``pg_options`` of the default group: on CUDA with ``execution.expert_sm_share`` < 1, NCCL's
+    communicators capped at :func:`comm_ctas` CTAs, so the combine's all-reduce runs on the SMs expert
+    compute leaves (its green context holds the others: ``engine.parallel.ep``); None otherwise."""
+    share = float(setup.config.get("execution", {}).get("expert_sm_share", 1.0))
+    if setup.device_type != "cuda" or share >= 1.0 or not dist.is_nccl_available():
+        return None
+    sms = torch.cuda.get_device_properties(setup.device(rank)).multi_processor_count
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = comm_ctas(share, sms)
+    return options
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -105,7 +128,7 @@ class Driver:
         self._wait_for_ranks(timeout_s)
         try:
             dist.init_process_group(backend_for(setup.device_type), store=self.store, rank=0,
-                                    world_size=setup.n_ranks, timeout=timeout)
+                                    world_size=setup.n_ranks, timeout=timeout, pg_options=group_options(setup, 0))
             self.commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         except Exception as e:
             self._fail(e, "starting the process group")
@@ -311,7 +334,7 @@ def follow(setup: RankSetup, rank: int) -> None:
     store = dist.TCPStore("127.0.0.1", setup.port, setup.n_ranks, False, timeout=timeout)
     store.add(JOINED_KEY, 1)
     dist.init_process_group(backend_for(setup.device_type), store=store, rank=rank, world_size=setup.n_ranks,
-                            timeout=timeout)
+                            timeout=timeout, pg_options=group_options(setup, rank))
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     device = setup.device(rank)
     if device.type == "cuda":

@@ -160,6 +160,11 @@ def test_hotness_placement_cuts_the_recorded_imbalance_on_a_skewed_trace(make_ck
         for step, rec in zip(res.steps, ep["steps"], strict=True):  # 2 (N-1)/N of [T, H] fp32 per layer
             assert rec["bytes_combined"] == layers * (step.prefill_tokens + step.decode_tokens) * hidden * 4
             assert rec["bytes_dispatched"] == 0
+            # ...and each step record carries its own figures (an mt_steps row)
+            assert (step.ep_bytes_combined, step.ep_bytes_dispatched) == (rec["bytes_combined"], 0)
+            assert step.ep_imbalance == pytest.approx(rec["imbalance"])
+        summary = res.summary()
+        assert (summary["ep_ranks"], summary["ep_imbalance_mean"]) == (2, ep["imbalance_mean"])
         figures[placement] = ep["imbalance_mean"]
     assert figures["contiguous"] > 1.3, figures
     assert figures["hotness"] < figures["contiguous"] - 0.2, figures
@@ -295,3 +300,46 @@ def test_torch_threads_are_restored_after_close(make_ckpt):
     eng = Engine(make_ckpt("mixtral", experts=4, top_k=2), EngineConfig().replace(ep_size=2))
     eng.close()
     assert torch.get_num_threads() == before
+
+
+def test_the_sm_share_splits_a_gpu_between_expert_compute_and_the_combine():
+    """``execution.expert_sm_share`` under expert parallelism: the experts' green context takes that share of
+    the SMs and NCCL's CTAs are capped to the rest (at least one each); a share of 1 leaves NCCL alone. The
+    config is accepted beside ep_size > 1 (other executor knobs are not), and the tuner searches it at any
+    rank count on a multi-GPU machine."""
+    from engine.moe.experts import expert_sms, sm_partition
+    from engine.parallel.group import RankSetup, comm_ctas, group_options
+    from tuner.space import build_space
+
+    assert (expert_sms(0.75, 132), comm_ctas(0.75, 132)) == (99, 33)
+    assert comm_ctas(1.0, 132) is None
+    assert (expert_sms(0.01, 16), comm_ctas(0.01, 16)) == (1, 15)
+    assert (expert_sms(0.999, 132), comm_ctas(0.999, 132)) == (131, 1)  # the combine keeps one SM
+    cfg = EngineConfig().replace(ep_size=2, expert_sm_share=0.5)
+    assert cfg.execution.expert_sm_share == 0.5
+    with pytest.raises(ConfigError, match=r"ep_size=2 with execution.expert_batching='micro'"):
+        EngineConfig().replace(ep_size=2, expert_batching="micro")
+    # On the CPU there is no partition to make, and the process group takes no NCCL options.
+    part = sm_partition(torch.device("cpu"), 0.5)
+    assert part.stream is None and part.inert is None
+    setup = RankSetup("m", cfg.to_dict(), "float32", "float32", "cpu", 2, 1)
+    assert group_options(setup, 0) is None
+    space = build_space({"gpu": {"count": 2, "names": ["H100", "H100"], "memory_bytes": [80 << 30] * 2}})
+    share = space.param("execution.expert_sm_share")
+    assert all(c.parent != "parallel.ep_size" for c in share.when)
+    assert any(c.parent == "parallel.ep_size" for c in space.param("execution.expert_batching").when)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA (two GPUs)")
+def test_two_gpu_ranks_on_an_sm_partition_match_one_process(make_ckpt, one_process, drive):
+    path = make_ckpt("qwen3_moe", experts=8, top_k=2)
+    knobs = dict(device="cuda", compute_dtype="float32", expert_sm_share=0.5)
+    one = drive(one_process(path, **knobs))
+    eng = Engine(path, EngineConfig().replace(ep_size=2, ep_combine_chunks=2, **knobs))
+    try:
+        assert_same_logits(drive(eng), one)
+        sm = eng.model.ep.describe()["sm_partition"]
+        assert sm["expert_sms"] + sm["comm_max_ctas"] == sm["sms"]
+    finally:
+        eng.close()

@@ -363,3 +363,60 @@ def test_native_layout_only_where_the_kernels_read_it(native_kernels):
     assert quantize(_weight(16, 96), "int4", 32, native=True).layout == "int4_native"
     assert quantize(_weight(16, 64), "int4", 16, native=True).layout != "int4_native"  # group not a multiple of 32
     assert quantize(_weight(16, 64), "int4", 64).layout != "int4_native"  # not asked for
+
+
+# ------------------------------------------------------------------------- native quantization (CPU)
+
+def _awkward_weights(n: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    """Weights whose quantization has edge cases: constant groups (s at its floor), one outlier a row,
+    huge and tiny magnitudes, values already in bf16, and halves exactly between two int levels."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    const = w.clone()
+    const[::2] = 0.25
+    const[1::3, : k // 2] = -3.0
+    outlier = w.clone()
+    outlier[:, seed % k] = 1e4
+    levels = torch.randint(0, 16, (n, k), generator=g).float() * 0.5 + 0.25  # halves between steps
+    return {"gauss": w * k**-0.5, "const": const, "outlier": outlier, "huge": w * 1e30, "tiny": w * 1e-30,
+            "bf16": w.bfloat16().float(), "levels": levels}
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 128), (33, 256), (80, 96), (640, 512)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_native_quantization_is_the_reference_bit_for_bit(shape, native_kernels):
+    """The kernels' one-pass int8/int4 quantization gives the same bytes as the PyTorch reference, for every
+    group size that divides the row, on weights with edge cases; ``quantize`` uses it on the CPU."""
+    from engine import kernels
+
+    n, k = shape
+    ops = kernels.ops()
+    for name, w in _awkward_weights(n, k, seed=n + k).items():
+        q, s = ops.quantize_int8(w)
+        rq, rs = Q._quantize_int8_torch(w)
+        assert torch.equal(q, rq) and torch.equal(s, rs), f"int8 {name}"
+        n_pad = Q._round_up(n, Q.INT4_ROW_MULTIPLE)
+        for group in (gs for gs in (16, 32, 64, 128) if k % gs == 0):
+            v, sz = ops.quantize_int4(w, group, n_pad, "values")
+            rv, rsz = Q._quantize_int4_torch(w, group)
+            assert v.shape == rv.shape and torch.equal(v, rv), f"int4 values {name} group {group}"
+            assert torch.equal(sz, rsz), f"int4 scales {name} group {group}"
+            for pack, packer in (("plain", Q._pack_plain), ("native", Q._pack_native)):
+                p, psz = ops.quantize_int4(w, group, n_pad, pack)
+                assert torch.equal(p, packer(rv)) and torch.equal(psz, rsz), f"int4 {pack} {name} group {group}"
+    assert Q._native_quantizer(_weight(8, 64)) is not None  # the CPU path takes the kernels here
+
+
+def test_native_quantization_refuses_bad_shapes_in_one_line(native_kernels):
+    from engine import kernels
+
+    ops = kernels.ops()
+    with pytest.raises(RuntimeError, match="multiple of the group size"):
+        ops.quantize_int4(_weight(8, 96), 64, 64, "native")
+    with pytest.raises(RuntimeError, match="n_pad"):
+        ops.quantize_int4(_weight(80, 64), 32, 64, "native")
+    with pytest.raises(RuntimeError, match="not one of values, plain, native"):
+        ops.quantize_int4(_weight(8, 64), 32, 64, "tinygemm")
+    with pytest.raises(RuntimeError, match="cannot be packed as native"):
+        ops.quantize_int4(_weight(8, 48), 16, 64, "native")
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.quantize_int8(_weight(8, 64).bfloat16())

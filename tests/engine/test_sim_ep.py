@@ -213,3 +213,60 @@ def test_sim_and_live_ranks_count_the_same_pairs_and_hotness_beats_contiguous(ma
     assert sim["imbalance_mean"] == pytest.approx(live["imbalance_mean"], rel=1e-12)
     assert [s["tokens_per_rank"] for s in sim["steps"]] == [s["tokens_per_rank"] for s in live["steps"]]
     assert set(sim) == set(live)
+
+
+def test_ep_figures_land_in_the_result_tables(tmp_path):
+    """A run's expert-parallel figures are columns of ``mt_trials`` (ranks, imbalance, bytes per step) and
+    of each ``mt_steps`` row, equal to its ``meta["ep"]``; a one-rank run leaves them NULL."""
+    from sqlalchemy import select
+
+    from db.models import StepRow, Trial
+    from db.session import make_engine, session_scope, upgrade
+    from db.store import create_study, finish_trial, get_or_create_model, get_or_create_workload, start_trial
+
+    url = f"sqlite:///{tmp_path / 'ep.db'}"
+    upgrade(url)
+    db = make_engine(url)
+    results = {2: _run(NVLINK2, ep_size=2, ep_placement="hotness"), 1: _run(NVLINK2)}
+    ids = {}
+    with session_scope(db) as s:
+        model = get_or_create_model(s, {"path": "shape:olmoe-1b-7b", "fingerprint": "olmoe", "arch": "olmoe"})
+        workload = get_or_create_workload(s, "simep", source="test", n_requests=10, duration_s=0.0)
+        study = create_study(s, "ep", model_id=model, workload_id=workload, backend="sim", search_space_hash="h",
+                             objectives=["output_tokens_per_s"], slo={}, hardware={}, software={},
+                             optuna_study_name="ep-h")
+        for ranks, res in results.items():
+            ids[ranks] = start_trial(s, study, ranks, {}, f"c{ranks}")
+            finish_trial(s, ids[ranks], res.to_dict())
+    ep = results[2].meta["ep"]
+    with session_scope(db) as s:
+        t = s.get(Trial, ids[2])
+        assert t.ep_ranks == 2 and t.ep_imbalance_mean == pytest.approx(ep["imbalance_mean"])
+        assert t.ep_imbalance_max == pytest.approx(ep["imbalance_max"]) and t.ep_imbalance_max >= t.ep_imbalance_mean
+        assert t.ep_bytes_combined_per_step == pytest.approx(ep["bytes_combined_per_step_mean"])
+        assert t.ep_bytes_combined_per_step > 0 and t.ep_imbalance_mean >= 1.0
+        assert t.ep_bytes_dispatched_per_step == 0  # attention replicated: nothing to dispatch
+        steps = s.scalars(select(StepRow).where(StepRow.trial_id == ids[2]).order_by(StepRow.step)).all()
+        assert [r.ep_bytes_combined for r in steps] == [x["bytes_combined"] for x in ep["steps"]]
+        assert [r.ep_imbalance for r in steps] == pytest.approx([x["imbalance"] for x in ep["steps"]])
+        one = s.get(Trial, ids[1])
+        assert one.ep_ranks is None and one.ep_imbalance_mean is None
+        assert all(r.ep_bytes_combined is None for r in s.scalars(select(StepRow).where(StepRow.trial_id == ids[1])))
+    db.dispose()
+
+
+def test_sim_bench_rows_carry_the_live_benchs_ep_columns(capsys):
+    """``engine bench --backend sim --ep 2`` rows: per-rank pairs, step imbalance and combine bytes over the
+    decode steps (the live bench's names); one rank has none."""
+    import json
+
+    rc = engine_main(["bench", "--backend", "sim", "--profile", NVLINK2, "--model", "shape:olmoe-1b-7b",
+                      "--batch", "1,4", "--prompt-len", "16", "--new-tokens", "4", "--ep", "2", "--json"])
+    assert rc in (0, None)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for row in out["rows"]:
+        assert len(row["ep_tokens_per_rank"]) == 2 and sum(row["ep_tokens_per_rank"]) > 0
+        assert row["ep_step_imbalance"] >= 1.0 and row["ep_bytes_combined_per_step"] > 0
+    rc = engine_main(["bench", "--backend", "sim", "--profile", NVLINK2, "--model", "shape:olmoe-1b-7b",
+                      "--batch", "1", "--prompt-len", "16", "--new-tokens", "4", "--json"])
+    assert "ep_tokens_per_rank" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]

@@ -76,6 +76,22 @@ def test_the_incumbent_stops_a_config_that_cannot_beat_it_after_one_probe():
     assert better.lo <= 5.0 <= better.hi
 
 
+@pytest.mark.parametrize("knee", [1.02, 1.2, 0.85])
+def test_a_confirmation_as_coarse_as_its_first_step_needs_two_probes_near_its_start(knee):
+    """A re-run warm-started at its last value, bisecting to a tolerance of its first step (a noisy study's
+    confirmation): when the knee moved less than a step, one probe each side ends it (the bracket one step
+    wide counts as within the tolerance despite rounding)."""
+    from tuner.repeats import MAX_CONFIRM_TOL, confirm_tolerance
+
+    tol = confirm_tolerance(0.62, REL_TOL)
+    assert tol == MAX_CONFIRM_TOL == WARM_STEP - 1
+    got = find_capacity(curve(knee, width=0.01), 0.9, 1.0, first_step=WARM_STEP, rel_tol=tol)
+    assert len(got.probes) == 2 and got.lo <= knee <= got.hi
+    assert confirm_tolerance(0.1, REL_TOL) == REL_TOL  # a quiet machine: the search's own tolerance
+    assert confirm_tolerance(0.3, REL_TOL) == pytest.approx(0.15)  # half the noise in between
+    assert confirm_tolerance(None, REL_TOL) == REL_TOL  # no noise measured
+
+
 def test_edges_floor_ceiling_and_probe_objects():
     never = find_capacity(lambda s: 0.0, 0.9, 1.0, min_rate_scale=0.125)
     assert never.rate_scale == 0.0 and never.hi == 0.125 and never.lo is None

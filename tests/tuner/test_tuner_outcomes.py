@@ -103,6 +103,42 @@ def test_a_trial_that_cannot_meet_the_slo_is_cut_short(sqlite_url, wire):
         assert baseline.slo_attainment == 0 and baseline.summary["feasible"] is False
 
 
+def test_a_trial_pruned_on_the_first_rung_skips_the_quality_check(sqlite_url, wire):
+    """Quality is read only for trials that pass the first rung: a searched trial cut there records
+    "pruned first" and spends no time on it; a baseline checks it first, and the same config searched
+    and promoted past the first rung has it too."""
+    w = wire(sqlite_url, slo=["ttft_p99_ms=1"], mode="realtime", name="deferred", rungs=(0.5, 1.0),
+             max_requests=12)
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    w.study.enqueue_trial(point)
+    run_trials(w.study, w.objective, 2)
+    with session_scope(w.db) as s:
+        baseline, searched = s.scalars(select(Trial).order_by(Trial.number)).all()
+        assert baseline.state == "complete" and baseline.summary["quality_check"] in ("measured", "cached")
+        assert baseline.quality_top1_agreement is not None
+        assert searched.state == "pruned" and searched.error.startswith("50% of the workload")
+        assert searched.summary["quality_check"] == "pruned first" and searched.summary["quality_s"] == 0
+        assert searched.quality_top1_agreement is None
+
+
+def test_the_first_searched_trial_competes_with_the_baselines_at_the_first_rung(sqlite_url, wire):
+    """Successive halving measures a searched trial against every value at its rung, the baselines' too: a
+    first searched trial far below the defaults is cut on the prefix, not promoted for want of competitors."""
+    from workloads.synth import synth_workload
+
+    wl = synth_workload("batchy", 24, arrival="offline", prompt_len="uniform:8:16", output_len="16", seed=5)
+    w = wire(sqlite_url, mode="offline", name="competes", rungs=(0.5, 1.0), max_requests=None,
+             objectives=["output_tokens_per_s"], workload=wl)
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    w.study.enqueue_trial({**point, "scheduler.max_batch_seqs": 1})  # one sequence a step: far slower
+    run_trials(w.study, w.objective, 2)
+    (_, base_state, _), (_, state, error) = _rows(w.db)
+    assert base_state == "complete"
+    assert state == "pruned" and "not among the best at this fidelity" in error, error
+
+
 def test_multi_objective_study_and_capacity(sqlite_url, tmp_path, capsys, kit, tiny_workload):
     rc = main(["run", *kit.FAST, "--trials", "3", "--db", sqlite_url, "--study", "pareto",
                "--objectives", "output_tokens_per_s,tpot_p99_ms", "--quiet"])

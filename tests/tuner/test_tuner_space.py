@@ -9,7 +9,7 @@ import sys
 import optuna
 import pytest
 
-from engine.config import ConfigError, EngineConfig, KnobInfo, Search, knobs
+from engine.config import EP_HONOURS, ConfigError, EngineConfig, KnobInfo, Search, knobs
 from tuner.baselines import BASELINES, Baseline, BaselineContext, baseline_points
 from tuner.space import Condition, build_space, inert_knobs, parse_fixed
 
@@ -234,7 +234,10 @@ def test_with_expert_parallelism_searched_no_draw_pairs_it_with_a_hybrid_knob():
     # residency is a config the engine refuses; the space keeps the executor's knobs to one rank.
     space = build_space({**HW, "gpu": {"name": "NVIDIA H200", "count": 2}})
     assert all(any(c.parent == "parallel.ep_size" and c.values == (1,) for c in space.param(k.key).when)
-               for k in knobs() if k.executor and k.key in space.keys)
+               for k in knobs() if k.executor and k.key in space.keys and k.key not in EP_HONOURS)
+    # ...except those expert parallelism honours itself (the SM share: experts vs the combine's collectives)
+    assert EP_HONOURS and all(not any(c.parent == "parallel.ep_size" for c in space.param(k).when)
+                              for k in EP_HONOURS)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
     ranks = []
     for _ in range(60):

@@ -297,6 +297,15 @@ class EPStats:
         self.steps = []
         self._step = {}
 
+    def last_step(self) -> dict[str, Any] | None:
+        """The step just closed: ``bytes_dispatched``, ``bytes_combined`` and ``imbalance`` (a step's row of
+        ``mt_steps``), or None before the first."""
+        if not self.steps:
+            return None
+        s = self.steps[-1]
+        return {"bytes_dispatched": int(s["bytes_dispatched"]), "bytes_combined": int(s["bytes_combined"]),
+                "imbalance": float(s["imbalance"])}
+
     def add_step(self, loads: np.ndarray, n_tokens: int) -> None:
         """Every MoE layer of a step at once (``loads`` ``[MoE layers, ranks]``), then :meth:`end_step`:
         the same figures as :meth:`add_layer` layer by layer."""
@@ -356,9 +365,12 @@ class EPStats:
         }
 
 
-def ep_record(placement: Placement, stats: EPStats, combine_chunks: int, redundant: int) -> dict[str, Any]:
+def ep_record(placement: Placement, stats: EPStats, combine_chunks: int, redundant: int,
+              sm_partition: dict[str, Any] | None = None) -> dict[str, Any]:
     """A run's expert-parallel record (a result's ``meta["ep"]``), JSON-able: the scheme, the placement
-    and :meth:`EPStats.summary`; the live engine and the simulator write the same fields."""
+    and :meth:`EPStats.summary`; the live engine and the simulator write the same fields.
+    ``sm_partition``: on CUDA with ``execution.expert_sm_share`` < 1, the SMs expert compute holds and the
+    CTAs the combine's collectives may use (or why there is no partition); None elsewhere."""
     return {"combine": "all_reduce", "dispatch": "none (attention replicated: every rank holds every token)",
-            "combine_chunks": combine_chunks, "redundant_experts": redundant,
+            "combine_chunks": combine_chunks, "redundant_experts": redundant, "sm_partition": sm_partition,
             "placement": placement.describe(), **stats.summary()}
