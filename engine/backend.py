@@ -20,6 +20,7 @@ No torch here: a backend without tensors imports this module alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -110,7 +111,7 @@ class RunStart:
 class RunTail:
     """What a backend hands back at the end of a run."""
 
-    expert_stats: list[ExpertStat]
+    expert_stats: Seq[ExpertStat]  # a list, or engine.results.ExpertStats made when first read
     tiers: TierStats | None = None  # None when no hybrid executor ran (the plain engine)
     fast_tier_expert_bytes: int | None = None
     routes: dict[str, tuple[Any, Any]] | None = None  # request key -> (ids [T, L, K] int16, gates float16)

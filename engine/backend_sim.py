@@ -132,14 +132,19 @@ class SimBackend(StubBackend):
             self.routes.add(key, tokens_of(len(prompt), max_new_tokens))
         return seq
 
-    def _rows(self, owners: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        if self.routes is None:
-            return super()._rows(owners)
+    def _advance(self, owners: list[tuple[str, int, int]]) -> tuple[list[str], list[int], list[int]]:
+        """(keys, first token of each, tokens of each) of the step's rows; each request's cursor moves on."""
         keys = [k for k, _, _ in owners]
         counts = [n for _, _, n in owners]
         starts = [self._cursor.get(k, 0) for k in keys]
         for k, at, n in zip(keys, starts, counts, strict=True):
             self._cursor[k] = at + n
+        return keys, starts, counts
+
+    def _rows(self, owners: list[tuple[str, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        if self.routes is None:
+            return super()._rows(owners)
+        keys, starts, counts = self._advance(owners)
         rt = self._config.routing
         pruned = rt.min_gate_weight > 0 or 0 < rt.top_k_override < self._spec.top_k
         ids, gates = self.routes.rows_many(keys, starts, counts, gates=pruned or self._routes is not None)
@@ -149,6 +154,28 @@ class SimBackend(StubBackend):
             for k, (_key, first, n) in zip(keys, owners, strict=True):
                 self._routes.setdefault(k, []).append((ids[first: first + n], gates[first: first + n]))
         return ids, gates
+
+    def _pruning(self) -> tuple[int | None, float] | None:
+        """(top-k override or None, minimum gate weight) where the config's routing prunes, else None."""
+        rt = self._config.routing
+        cut = rt.top_k_override if 0 < rt.top_k_override < self._spec.top_k else None
+        return (cut, float(rt.min_gate_weight)) if cut is not None or rt.min_gate_weight > 0 else None
+
+    def _routed_ids(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        if self.routes is None or self._routes is not None:  # a trace, or routes recorded as routed
+            return super()._routed_ids(owners)
+        # Synthetic routes prune per pool row (prune_routes decides a token by its own gate weights).
+        return self.routes.rows_many(*self._advance(owners), gates=False, prune=self._pruning())[0]
+
+    def _counts(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        if self.routes is None or self._routes is not None:
+            return super()._counts(owners)
+        return self.routes.counts_many(*self._advance(owners), prune=self._pruning())
+
+    def _price_reads_ids(self) -> bool:
+        # Expert parallelism with a chunked combine prices each chunk's rows (StepPricer._ep_step).
+        return self.pricer is not None and self.pricer.ep_stats is not None \
+            and self._config.parallel.ep_combine_chunks > 1
 
     def _finished(self, key: str) -> None:
         if self.routes is not None:

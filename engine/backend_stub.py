@@ -16,6 +16,8 @@ No torch: :meth:`StubBackend.from_checkpoint` reads a checkpoint's config and ro
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,10 +30,10 @@ from engine.model.arch import ModelSpec
 from engine.moe.planning import plan_settings, tier_precisions
 from engine.moe.policy.controller import ResidencyController
 from engine.moe.policy.execution import CostModel
-from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves
+from engine.moe.policy.plan import DecisionLog, LayerDecision, MoEStats, StepMoves, counts_by_layer
 from engine.moe.policy.routing import prune_routes
 from engine.precision import FLOAT_PRECISIONS, PRECISIONS
-from engine.results import ExpertStat
+from engine.results import ExpertStat, ExpertStats
 from engine.sequences import Sequence, SequenceTable, StepLayout, StepOutcome
 
 if TYPE_CHECKING:
@@ -185,17 +187,15 @@ class StubBackend:
         layout = self.seqs.next_step()
         if not layout.segments:
             return StepOutcome(0.0, 0, 0, 0, [], [])
-        ids, gates = self._rows(layout.owners)  # [T, L, K]
-        spec, rt = self._spec, self._config.routing
-        cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
-        if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
-            t, n_layers, k = ids.shape
-            _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32), ids.reshape(t * n_layers, k),
-                                        cut, rt.min_gate_weight)
-            ids = pruned.reshape(t, n_layers, k)
-        decisions, counts = self.controller.plan_step(ids)
-        self.stats.add_step(spec.moe_layers, counts)
         ctl = self.controller
+        ids: np.ndarray | None = None
+        if self._routes is None and not ctl.reads_ids(layout.n_tokens) and not self._price_reads_ids():
+            # Nothing this step reads the routed ids themselves: their counts per expert are enough.
+            decisions, counts = ctl.plan_step(None, self._counts(layout.owners), layout.n_tokens)
+        else:
+            ids = self._routed_ids(layout.owners)  # [T, L, K]
+            decisions, counts = ctl.plan_step(ids)
+        self.stats.add_step(self._spec.moe_layers, counts)
         moves = ctl.end_step(counts if ctl.wants_step_counts else None, layout.n_tokens)
         produced, finished = self.seqs.finish_step(layout, [NO_TOKEN] * len(layout.sampled), (), True)
         duration_s = self._price(layout, decisions, moves, counts, ids)
@@ -207,6 +207,26 @@ class StubBackend:
     def _step_ep(self) -> dict[str, Any] | None:
         """The step's expert-parallel figures (the simulator prices ranks; the stub runs one)."""
         return None
+
+    def _price_reads_ids(self) -> bool:
+        """Whether :meth:`_price` reads the step's routed ids (not only their counts)."""
+        return False
+
+    def _routed_ids(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        """The step's routed expert ids ``[T, L, K]`` (:meth:`_rows`), pruned as the config's routing says."""
+        ids, gates = self._rows(owners)
+        rt = self._config.routing
+        cut = rt.top_k_override if 0 < rt.top_k_override < ids.shape[2] else None
+        if cut is not None or rt.min_gate_weight > 0:  # row by row: every layer of every token at once
+            t, n_layers, k = ids.shape
+            _, pruned, _ = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32),
+                                        ids.reshape(t * n_layers, k), cut, rt.min_gate_weight)
+            ids = pruned.reshape(t, n_layers, k)
+        return ids
+
+    def _counts(self, owners: list[tuple[str, int, int]]) -> np.ndarray:
+        """Routed tokens per expert ``[L, E]`` of the step's tokens (what :meth:`_routed_ids` routes)."""
+        return counts_by_layer(self._routed_ids(owners), self._spec.n_experts)
 
     def _price(self, layout: StepLayout, decisions: Seq[LayerDecision], moves: StepMoves,
                counts: np.ndarray, ids: np.ndarray | None = None) -> float:
@@ -261,13 +281,14 @@ class StubBackend:
 
     def finish(self) -> RunTail:
         hi, lo = tier_precisions(self._config, self.weight_precision)
-        table = {} if self.plain else self.controller.expert_table(hi, lo, self.weight_precision)
         layer_index = {layer: i for i, layer in enumerate(self._spec.moe_layers)}
-        stats = []
-        for layer, counts in sorted(self.stats.counts.items()):
-            for e, n in enumerate(counts.tolist()):
-                resident, prec, replicas = table.get((layer_index[layer], e), (True, self.weight_precision, 0))
-                stats.append(ExpertStat(layer, e, int(n), resident=resident, precision=prec, replicas=replicas))
+        ctl = self.controller
+        names = {0: self.weight_precision, 1: lo or self.weight_precision, 2: hi}  # by tier code (expert_table's)
+        # What the records are made of, as of now (the next run starts afresh), made into records when read.
+        counts = [(layer, c.copy()) for layer, c in sorted(self.stats.counts.items())]
+        tiers = None if self.plain else (ctl.tiers.copy(), ctl.replicas.copy())
+        stats = ExpertStats(functools.partial(_expert_records, counts, [layer_index[layer] for layer, _ in counts],
+                                              tiers, names))
         decisions = self._log.entries if self._log is not None else None
         self._log = None
         self.controller.log = None
@@ -279,3 +300,23 @@ class StubBackend:
         return RunTail(expert_stats=stats, tiers=None if self.plain else self.controller.stats,
                        fast_tier_expert_bytes=None if self.plain else self.controller.resident_bytes(),
                        routes=routes, decisions=decisions)
+
+
+def _expert_records(counts: list[tuple[int, np.ndarray]], rows: list[int], tiers: tuple[np.ndarray, np.ndarray] | None,
+                    names: dict[int, str]) -> list[ExpertStat]:
+    """One :class:`ExpertStat` per expert of each MoE layer (``counts``: model layer index and routed tokens
+    per expert; ``rows``: each one's row in ``tiers``, the tier codes and replicas; None: every expert
+    resident in ``names[0]``, the loaded precision)."""
+    stats: list[ExpertStat] = []
+    for (layer, c), row in zip(counts, rows, strict=True):
+        n_e = len(c)
+        if tiers is None:  # every expert resident as loaded
+            resident, precision, replicas = [True] * n_e, [names[0]] * n_e, [0] * n_e
+        else:
+            codes = tiers[0][row].tolist()
+            resident, precision, replicas = [code > 0 for code in codes], [names[code] for code in codes], \
+                tiers[1][row].tolist()
+        # Positional, in field order (layer, expert, tokens, resident, precision, replicas): one per expert.
+        stats.extend(itertools.starmap(ExpertStat, zip(itertools.repeat(layer, n_e), range(n_e), c.tolist(), resident,
+                                                       precision, replicas, strict=True)))
+    return stats

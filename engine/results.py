@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from engine.metrics import PERCENTILES, latency_name
 
@@ -93,6 +94,58 @@ class ExpertStat:
     replicas: int = 0
 
 
+class ExpertStats(Sequence[ExpertStat]):
+    """A run's :class:`ExpertStat` records, made by ``build`` when first read: a stub or simulated run
+    holds one per expert of every MoE layer (thousands) and a tuner's capacity search reads those of
+    its best run only. Reads, compares and pickles as the list ``build`` returns."""
+
+    def __init__(self, build: Callable[[], list[ExpertStat]]) -> None:
+        self._build: Callable[[], list[ExpertStat]] | None = build
+        self._items: list[ExpertStat] = []
+
+    def _list(self) -> list[ExpertStat]:
+        if self._build is not None:
+            self._items, self._build = self._build(), None
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    @overload
+    def __getitem__(self, i: int) -> ExpertStat: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ExpertStat]: ...
+
+    def __getitem__(self, i: int | slice) -> ExpertStat | list[ExpertStat]:
+        return self._list()[i]
+
+    def __iter__(self) -> Iterator[ExpertStat]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ExpertStats):
+            other = other._list()
+        return self._list() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (self._list(),)
+
+
+def _flat_dicts(records: Sequence[Any]) -> list[dict[str, Any]]:
+    """``dataclasses.asdict`` of each record of a dataclass whose fields hold plain values (numbers,
+    strings, None), without asdict's deep copy of each value (a run holds one per expert per layer)."""
+    if not records:
+        return []
+    names = [f.name for f in dataclasses.fields(records[0])]
+    return [{n: getattr(r, n) for n in names} for r in records]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default), None for no values."""
     xs = sorted(v for v in values if v is not None and not math.isnan(v))
@@ -112,7 +165,7 @@ class RunResult:
     requests: list[RequestResult]
     steps: list[StepRecord]
     telemetry: list[TelemetrySample]
-    expert_stats: list[ExpertStat]
+    expert_stats: Sequence[ExpertStat]  # a list, or ExpertStats made when first read
     duration_s: float
     peak_rss_bytes: int
     peak_device_mem_bytes: int | None = None
@@ -163,9 +216,9 @@ class RunResult:
             "meta": self.meta,
             "summary": self.summary(),
             "requests": [r.to_dict(with_ids) for r in self.requests],
-            "steps": [dataclasses.asdict(s) for s in self.steps],
-            "telemetry": [dataclasses.asdict(t) for t in self.telemetry],
-            "expert_stats": [dataclasses.asdict(e) for e in self.expert_stats],
+            "steps": _flat_dicts(self.steps),
+            "telemetry": _flat_dicts(self.telemetry),
+            "expert_stats": _flat_dicts(self.expert_stats),
         }
         if self.decisions is not None:
             out["decisions"] = self.decisions

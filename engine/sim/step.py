@@ -59,9 +59,9 @@ priced apart. Pure: numpy and the standard library.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,6 +83,9 @@ from engine.precision import FLOAT_BYTES
 from engine.sequences import StepLayout
 from engine.sim import cost
 from engine.sim.profile import Profile
+
+_HOST, _FETCH = WHERE.index("host"), WHERE.index("fetch")
+_NONE = np.zeros(0, np.int64)
 
 FUSED_PRECISIONS = ("bf16", "fp16", "int8")
 """Precisions the CPU engine's fused layer call reads (``engine.moe.experts.fused_moe``)."""
@@ -115,6 +118,27 @@ class _Layer:
     copies: float = 0.0
     queued: float = 0.0  # background copies to the copy engine's queue
     combine: float = 0.0  # expert parallelism: the part of the layers' time after the slowest rank's compute
+
+
+class _Part(NamedTuple):
+    """One micro-batch of one layer as the pricer reads it: the runs in expert order (``experts``,
+    ``tokens``, ``where`` an index into :data:`WHERE`), replicated runs' ``splits``, the experts the
+    cache admitted for it, and its token rows."""
+
+    experts: np.ndarray
+    tokens: np.ndarray
+    where: np.ndarray
+    splits: tuple[tuple[int, tuple[int, ...]], ...]
+    n_admitted: int
+    rows: int
+    where_of: np.ndarray | None = None
+    """Every expert's ``where`` (-1 not routed), indexed by expert id, where the part has it at hand."""
+
+    def where_of_split(self, expert: int) -> int:
+        """``where`` of a replicated run's expert."""
+        if self.where_of is not None:
+            return int(self.where_of[expert])
+        return int(self.where[np.searchsorted(self.experts, expert)])
 
 
 @dataclass
@@ -176,6 +200,7 @@ class StepPricer:
         self.lm_lut = cost.matmul_lut(f, spec.vocab_size, h, w, c, min(cfg.scheduler.max_batch_seqs, t_max)) \
             / self.fast_speed
         self._experts: dict[tuple[str, str, bool], np.ndarray] = {}
+        self._lut_lists: dict[tuple[str, str], list[float]] = {}
         fused_ok = self.native and not self.two_tier and self.host.fused_max_tokens_per_expert > 0
         self.fused_slots = self.host.fused_max_tokens_per_expert * e if fused_ok else -1
         self.fused_call = (cost.moe_call_lut(f, h, c, t_max, fused=True) / self.fast_speed).tolist()
@@ -234,6 +259,14 @@ class StepPricer:
             self._experts[key] = arr / speed
         return self._experts[key]
 
+    def _lut_list(self, side: str, precision: str) -> list[float]:
+        """:meth:`_lut` as a list (the same values), for lookups one token count at a time."""
+        key = (side, precision)
+        got = self._lut_lists.get(key)
+        if got is None:
+            got = self._lut_lists[key] = self._lut(side, precision).tolist()
+        return got
+
     # ----------------------------------------------------------------------------------- one step
     def price(self, layout: StepLayout, decisions: Sequence[LayerDecision], moves: StepMoves | None,
               counts: np.ndarray | None = None, ids: np.ndarray | None = None) -> float:
@@ -251,12 +284,17 @@ class StepPricer:
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._ep_step(t, counts, ids, lay)
-        elif getattr(decisions, "trivial", False) or (decisions and all(d.trivial for d in decisions)):
+        elif self._all_trivial(decisions):
             if counts is None:
                 counts = np.stack([d.counts for d in decisions])
             self._trivial_step(t, counts, lay)
         elif self.two_tier and isinstance(decisions, StepPlan) and not decisions.splits:
             self._step_plan(decisions, lay)
+        elif isinstance(decisions, StepPlan) and self.two_tier:  # layer by layer (replicas), from the arrays
+            self._plan_two_tier(decisions, lay)
+        elif isinstance(decisions, StepPlan):  # host-only: likewise, part by part (no prefetch in a plan)
+            for part in self._plan_parts(decisions):
+                self._part_host_only(part, lay)
         else:
             for d in decisions:
                 if self.two_tier:
@@ -280,6 +318,13 @@ class StepPricer:
         b.waits_s += wait
         b.ep_combine_s += lay.combine
         return total
+
+    @staticmethod
+    def _all_trivial(decisions: Sequence[LayerDecision]) -> bool:
+        """Whether every layer's plan is trivial (a whole step's plans say so themselves: reading one
+        of their layers would build its decision)."""
+        trivial = getattr(decisions, "trivial", None)
+        return bool(trivial) if trivial is not None else bool(decisions) and all(d.trivial for d in decisions)
 
     def _ep_step(self, t: int, counts: np.ndarray, ids: np.ndarray | None, out: _Layer) -> None:
         """Every MoE layer of a step under expert parallelism (rule 7); records each rank's pairs,
@@ -364,92 +409,160 @@ class StepPricer:
                                             pinned=False) for s in prefill))
         return self.n_layers * per_layer, self.n_layers * copies
 
+    # ---------------------------------------------------------------------------- a layer's parts
+    @staticmethod
+    def _parts(d: LayerDecision) -> list[_Part]:
+        """The micro-batches of a (non-trivial) layer decision, as :class:`_Part`."""
+        return [_Part(p.arrays.experts, p.arrays.tokens, p.arrays.where, p.arrays.splits, len(p.admitted),
+                      p.stop - p.start) for p in d.parts]
+
+    @staticmethod
+    def _plan_parts(d: StepPlan) -> Iterator[_Part]:
+        """Each layer's one part of a step planned at once, read from its arrays (what
+        :class:`~engine.moe.policy.controller.StepPlan` builds a layer decision from, without building it)."""
+        admitted = d.n_admitted.tolist() if d.n_admitted is not None else [0] * len(d)
+        mask = d.where >= 0
+        experts = np.nonzero(mask)[1]  # routed experts, layer after layer, ascending within each
+        tokens, where = d.counts[mask], d.where[mask]
+        bounds = np.concatenate([[0], np.cumsum(mask.sum(1))]).tolist()
+        for li in range(len(d)):
+            lo, hi = bounds[li], bounds[li + 1]
+            yield _Part(experts[lo:hi], tokens[lo:hi], where[lo:hi], d.splits.get(li, ()), admitted[li], d.n_tokens,
+                        d.where[li])
+
     # ------------------------------------------------------------------------------ host-only MoE
     def _layer_host_only(self, d: LayerDecision, out: _Layer) -> None:
         if d.trivial:
             self._trivial_step(d.n_tokens, d.counts[None, :], out)
             return
-        part_fixed = self.fast.part_overhead_s
-        for part in d.parts:
-            a = part.arrays
-            rows = part.stop - part.start
-            slots = rows * self.k_run
-            n_by = np.bincount(a.where, minlength=4)  # runs per place: hi, lo, host, fetch
-            precs = {self.precision_of[w] for w, n in zip(WHERE, n_by.tolist(), strict=True) if n}
-            admits = len(part.admitted) * self.copy_hi
-            s = part_fixed + admits
-            out.copies += admits
-            if (0 <= slots <= self.fused_slots and len(precs) <= 1 and precs <= set(FUSED_PRECISIONS)
-                    and not a.splits and not n_by[3]):
-                e = float(self._lut("fast", precs.pop(), fused=True)[a.tokens].sum()) if precs else 0.0
-                s += self.fused_call[rows] + e
-                out.fast += e
-                out.seconds += s
-                continue
-            s += self.grouped_call[min(slots, self.slots_max)]
-            fast = host = 0.0
-            for code, where in enumerate(WHERE):
-                if not n_by[code]:
-                    continue
-                tok = a.tokens[a.where == code]
-                if where == "host":
-                    host += float(self._lut("host", self.host_prec)[tok].sum())
-                    continue
-                lut = self._lut("fast", self.precision_of[where])
-                fast += float(lut[tok].sum())
-                if where == "fetch":
-                    fast += n_by[code] * self.copy_hi
-                    out.copies += n_by[code] * self.copy_hi
-            for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
-                lut = self._lut("fast", self.precision_of[WHERE[int(a.where[np.searchsorted(a.experts, expert)])]])
-                fast += sum(lut[n] for n in split) - lut[sum(split)]
-            out.fast += fast
-            out.host += host
-            out.seconds += s + fast + host
+        for part in self._parts(d):
+            self._part_host_only(part, out)
         if d.prefetch:  # the copier thread shares the cores
             out.copies += len(d.prefetch) * self.copy_hi
             out.seconds += len(d.prefetch) * self.copy_hi
+
+    def _part_host_only(self, a: _Part, out: _Layer) -> None:
+        rows = a.rows
+        slots = rows * self.k_run
+        n_by = np.bincount(a.where, minlength=4)  # runs per place: hi, lo, host, fetch
+        precs = {self.precision_of[w] for w, n in zip(WHERE, n_by.tolist(), strict=True) if n}
+        admits = a.n_admitted * self.copy_hi
+        s = self.fast.part_overhead_s + admits
+        out.copies += admits
+        if (0 <= slots <= self.fused_slots and len(precs) <= 1 and precs <= set(FUSED_PRECISIONS)
+                and not a.splits and not n_by[3]):
+            e = float(self._lut("fast", precs.pop(), fused=True)[a.tokens].sum()) if precs else 0.0
+            s += self.fused_call[rows] + e
+            out.fast += e
+            out.seconds += s
+            return
+        s += self.grouped_call[min(slots, self.slots_max)]
+        fast = host = 0.0
+        for code, where in enumerate(WHERE):
+            if not n_by[code]:
+                continue
+            tok = a.tokens[a.where == code]
+            if where == "host":
+                host += float(self._lut("host", self.host_prec)[tok].sum())
+                continue
+            lut = self._lut("fast", self.precision_of[where])
+            fast += float(lut[tok].sum())
+            if where == "fetch":
+                fast += n_by[code] * self.copy_hi
+                out.copies += n_by[code] * self.copy_hi
+        for expert, split in a.splits:  # replicas one after the other: the splits, not the whole
+            lut = self._lut_list("fast", self.precision_of[WHERE[a.where_of_split(expert)]])
+            fast += sum(lut[n] for n in split) - lut[sum(split)]
+        out.fast += fast
+        out.host += host
+        out.seconds += s + fast + host
 
     # ------------------------------------------------------------------------------- two-tier MoE
     def _layer(self, d: LayerDecision, out: _Layer) -> None:
         if d.trivial:
             self._trivial_step(d.n_tokens, d.counts[None, :], out)
             return
-        part_fixed = self.fast.part_overhead_s
+        for part in self._parts(d):
+            self._part(part, out)
+        out.queued += len(d.prefetch) * self.copy_hi
+
+    def _place_lut(self, code: int) -> np.ndarray:
+        """The table the runs of place ``code`` (an index into :data:`WHERE`) are priced by, two-tier."""
+        if code == _HOST:
+            return self._lut("host", self.host_prec)
+        return self._lut("fast", self.hi if code == _FETCH else self.precision_of[WHERE[code]])
+
+    def _part(self, a: _Part, out: _Layer) -> None:
+        n_by = np.bincount(a.where, minlength=4).tolist()
+        sums, host_tokens = [0.0] * len(WHERE), 0
+        for code in range(len(WHERE)):
+            if not n_by[code]:
+                continue
+            tok = a.tokens[a.where == code]
+            sums[code] = float(self._place_lut(code)[tok].sum())
+            if code == _HOST:
+                host_tokens = int(tok.sum())
+        self._combine_part(n_by, sums, host_tokens, a, out)
+
+    def _plan_two_tier(self, d: StepPlan, out: _Layer) -> None:
+        """:meth:`_part` of every layer of a step plan: each (layer, place)'s runs gathered once for the
+        whole step, in expert order (a stable sort by layer and place), so each sum is the same."""
+        n_layers = len(d)
+        mask = d.where >= 0
+        layer_of, _ = np.nonzero(mask)
+        tokens, where = d.counts[mask], d.where[mask]
+        key = layer_of * len(WHERE) + where  # runs by (layer, place), experts ascending within each
+        order = np.argsort(key, kind="stable")
+        tokens, where = tokens[order], where[order]
+        seconds = np.empty(len(tokens))
+        for code, n in enumerate(d.runs_by_where):
+            if n:
+                at = where == code
+                seconds[at] = self._place_lut(code)[tokens[at]]
+        n_by = np.bincount(key, minlength=n_layers * len(WHERE)).reshape(n_layers, len(WHERE)).tolist()
+        bounds = np.concatenate([[0], np.cumsum(n_by)]).tolist()  # start of each (layer, place)'s runs
+        admitted = d.n_admitted.tolist() if d.n_admitted is not None else [0] * n_layers
+        for li in range(n_layers):
+            sums, host_tokens = [0.0] * len(WHERE), 0
+            for code in range(len(WHERE)):
+                if n_by[li][code]:
+                    lo, hi = bounds[li * len(WHERE) + code], bounds[li * len(WHERE) + code + 1]
+                    sums[code] = float(seconds[lo:hi].sum())
+                    if code == _HOST:
+                        host_tokens = int(tokens[lo:hi].sum())
+            part = _Part(_NONE, _NONE, _NONE, d.splits.get(li, ()), admitted[li], d.n_tokens, d.where[li])
+            self._combine_part(n_by[li], sums, host_tokens, part, out)
+
+    def _combine_part(self, n_by: list[int], sums: list[float], host_tokens: int, a: _Part, out: _Layer) -> None:
+        """A two-tier part from its runs per place, their seconds per place and its host tokens (rule 4)."""
         link = self.profile.link
         assert link is not None
-        overlap = link.overlap
         bw = self.fast.mem_bw_bytes_per_s * self.fast.bw_efficiency * self.expert_speed
-        for part in d.parts:
-            a = part.arrays
-            n_by = np.bincount(a.where, minlength=4)
-            resident = fetched = host = 0.0
-            for code, where in enumerate(WHERE):
-                if not n_by[code]:
-                    continue
-                tok = a.tokens[a.where == code]
-                if where == "host":
-                    host += float(self._lut("host", self.host_prec)[tok].sum())
-                    host += self.act_d2h(int(tok.sum())) + self.act_h2d(int(tok.sum()))
-                elif where == "fetch":
-                    fetched += float(self._lut("fast", self.hi)[tok].sum())
-                else:
-                    resident += float(self._lut("fast", self.precision_of[where])[tok].sum())
-            for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
-                where = WHERE[int(a.where[np.searchsorted(a.experts, expert)])]
-                lut = self._lut("fast", self.precision_of[where])
-                nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
-                resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
-            fetch_copy = int(n_by[3]) * self.copy_hi
-            copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
-            device = max(resident, copies_done) + fetched + (1.0 - overlap) * min(resident, fetch_copy)
-            admits = len(part.admitted) * self.copy_hi  # synchronous: the part waits for them
-            out.seconds += part_fixed + admits + max(device, host) + self.grouped_call[
-                min((part.stop - part.start) * self.k_run, self.slots_max)]
-            out.fast += resident + fetched
-            out.host += host
-            out.copies += fetch_copy + admits
-        out.queued += len(d.prefetch) * self.copy_hi
+        resident = fetched = host = 0.0
+        for code in range(len(WHERE)):
+            if not n_by[code]:
+                continue
+            if code == _HOST:
+                host += sums[code]
+                host += self.act_d2h(host_tokens) + self.act_h2d(host_tokens)
+            elif code == _FETCH:
+                fetched += sums[code]
+            else:
+                resident += sums[code]
+        for expert, split in a.splits:  # copies on their own streams, sharing the memory bandwidth
+            where = WHERE[a.where_of_split(expert)]
+            lut = self._lut_list("fast", self.precision_of[where])
+            nbytes = (self.bytes_hi if where == "hi" else self.bytes_lo) * len(split)
+            resident += max(max(lut[n] for n in split), nbytes / bw) - lut[sum(split)]
+        fetch_copy = n_by[_FETCH] * self.copy_hi
+        copies_done = self.backlog_s + fetch_copy if fetch_copy else 0.0
+        device = max(resident, copies_done) + fetched + (1.0 - link.overlap) * min(resident, fetch_copy)
+        admits = a.n_admitted * self.copy_hi  # synchronous: the part waits for them
+        out.seconds += self.fast.part_overhead_s + admits + max(device, host) + self.grouped_call[
+            min(a.rows * self.k_run, self.slots_max)]
+        out.fast += resident + fetched
+        out.host += host
+        out.copies += fetch_copy + admits
 
     def _step_plan(self, d: StepPlan, out: _Layer) -> None:
         """:meth:`_layer` of every layer of a step planned at once (one micro-batch, a cache without
@@ -457,25 +570,40 @@ class StepPricer:
         counts, where = d.counts, d.where
         link = self.profile.link
         assert link is not None
-        hi_lut, host_lut = self._lut("fast", self.hi), self._lut("host", self.host_prec)
-        lo_lut = self._lut("fast", self.precision_of["lo"])
-        is_hi, is_lo, is_host, is_fetch = (where == 0), (where == 1), (where == 2), (where == 3)
-        resident = (hi_lut[counts] * is_hi).sum(1) + (lo_lut[counts] * is_lo).sum(1)  # [L]
-        fetched = (hi_lut[counts] * is_fetch).sum(1)
-        host_tokens = (counts * is_host).sum(1)
-        act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
-        crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
-                            + act / link.h2d_pinned_bytes_per_s, 0.0)
-        host = (host_lut[counts] * is_host).sum(1) + crossing
-        fetch_copy = is_fetch.sum(1) * self.copy_hi
-        copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
-        device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident, fetch_copy)
+        # Places without a run this step add exact zeros to every sum below: they are skipped.
+        n_hi, n_lo, n_host, n_fetch = d.runs_by_where
+        zeros = np.zeros(counts.shape[0])
+        hi_tokens = self._lut("fast", self.hi)[counts] if n_hi or n_fetch else None  # [L, E]
+        resident = (hi_tokens * (where == 0)).sum(1) if n_hi else zeros  # [L]
+        if n_lo:
+            resident = resident + (self._lut("fast", self.precision_of["lo"])[counts] * (where == 1)).sum(1)
+        host = zeros
+        if n_host:
+            is_host = where == 2
+            host_tokens = (counts * is_host).sum(1)
+            act = FLOAT_BYTES.get(self.compute, 4) * self.spec.hidden_size * host_tokens
+            crossing = np.where(host_tokens > 0, 2 * link.latency_s + act / link.d2h_pinned_bytes_per_s
+                                + act / link.h2d_pinned_bytes_per_s, 0.0)
+            host = (self._lut("host", self.host_prec)[counts] * is_host).sum(1) + crossing
+        fetch_copy_s = 0.0
+        if n_fetch:
+            is_fetch = where == 3
+            fetched = (hi_tokens * is_fetch).sum(1)
+            fetch_copy = is_fetch.sum(1) * self.copy_hi
+            copies_done = np.where(fetch_copy > 0, self.backlog_s + fetch_copy, 0.0)
+            device = np.maximum(resident, copies_done) + fetched + (1.0 - link.overlap) * np.minimum(resident,
+                                                                                                     fetch_copy)
+            fast = resident + fetched
+            fetch_copy_s = fetch_copy.sum()
+        else:
+            device = fast = resident
         call = self.grouped_call[min(d.n_tokens * self.k_run, self.slots_max)]
         admits = d.n_admitted * self.copy_hi if d.n_admitted is not None else 0.0  # synchronous, as in _layer
-        out.seconds += float((self.fast.part_overhead_s + admits + np.maximum(device, host) + call).sum())
-        out.fast += float((resident + fetched).sum())
+        out.seconds += float((self.fast.part_overhead_s + admits + (np.maximum(device, host) if n_host else device)
+                              + call).sum())
+        out.fast += float(fast.sum())
         out.host += float(host.sum())
-        out.copies += float(fetch_copy.sum() + np.sum(admits))
+        out.copies += float(fetch_copy_s + np.sum(admits))
 
     # ------------------------------------------------------------------------------------- moves
     def _moves(self, moves: StepMoves) -> tuple[float, float]:

@@ -603,3 +603,82 @@ def test_cache_matches_one_expert_at_a_time_reference(policy, capacity):
             got = fast.access(layer, ids)
             assert (got.hits, got.misses, got.evictions) == ref.access(layer, ids), step
         assert fast.cached(layer) == sorted(ref.last[layer])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_cache_step_access_matches_layer_after_layer(policy):
+    """access_step (every layer at once, as arrays) against access of one layer after another: the same
+    hits, misses, victims in eviction order, admissions and cached sets, step after step; layers of
+    capacities 0 (nothing admitted), few (victims run out when a step routes more than that) and all."""
+    rng = np.random.default_rng(11 + (policy == "lfu"))
+    caps = [0, 1, 3, 8, 17, 40]
+    step_wise, layer_wise = ExpertCache(6, 40, caps, policy=policy), ExpertCache(6, 40, caps, policy=policy)
+    for step in range(200):
+        n = int(rng.integers(1, 30)) if step % 5 else 40
+        routed = np.zeros((6, 40), bool)
+        for layer in range(6):
+            routed[layer, rng.zipf(1.4, n) % 40] = True
+        got = step_wise.access_step(routed)
+        for layer in range(6):
+            want = layer_wise.access(layer, np.flatnonzero(routed[layer]).tolist())
+            access, admitted = got.layer(layer)
+            assert (access.hits, access.misses, access.evictions) == (want.hits, want.misses, want.evictions), step
+            assert list(admitted) == [e for e in want.misses if e in set(layer_wise.cached(layer))]
+            assert step_wise.cached(layer) == layer_wise.cached(layer)
+    assert (step_wise.hits, step_wise.misses, step_wise.evictions) == (layer_wise.hits, layer_wise.misses,
+                                                                       layer_wise.evictions)
+
+
+@pytest.mark.parametrize("mode", ["host", "fetch", "auto"])
+@pytest.mark.parametrize("tier_dtype", [np.int8, np.int64])
+def test_plan_where_places_every_layer_as_plan_run_arrays_does(mode, tier_dtype):
+    """plan_where (all layers at once; a table lookup for host and fetch) against plan_run_arrays
+    layer by layer: unrouted experts -1, every tier, counts on both sides of auto's crossover."""
+    from engine.moe.policy.plan import plan_run_arrays, plan_where
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 200, (6, 40)) * (rng.random((6, 40)) < 0.6)
+    tiers = rng.integers(0, 3, (6, 40)).astype(tier_dtype)
+    cost = _cost() if mode == "auto" else None
+    where = plan_where(counts, tiers, mode, cost, 10_000_000)
+    assert where.dtype == np.int8 and where.shape == (6, 40)
+    for layer in range(6):
+        runs = plan_run_arrays(counts[layer], tiers[layer], np.zeros(40, np.int64), mode, cost, 10_000_000)
+        want = np.full(40, -1, np.int8)
+        want[runs.experts] = runs.where
+        np.testing.assert_array_equal(where[layer], want)
+    if mode == "auto":
+        assert {2, 3} <= set(where[tiers == 0].tolist())  # some missing experts on the host, some fetched
+
+
+def _replicas_one_at_a_time(counts, threshold, max_replicas, spare, nbytes):
+    """plan_replicas' rule handed out literally: one replica at a time to the expert with the most
+    tokens per copy (ties: lower id) while it wants more and the layer has room."""
+    out = {}
+    for layer, row in enumerate(np.asarray(counts, dtype=np.float64)):
+        n = len(row)
+        limit = threshold * row.sum() / n
+        want = [min(math.ceil(c / limit) - 1, max_replicas) if row.sum() > 0 and c > limit else 0 for c in row]
+        want = [max(w, 1) if c > limit and row.sum() > 0 else 0 for w, c in zip(want, row, strict=True)]
+        given = [0] * n
+        for _ in range(min(spare[layer] // nbytes, max_replicas * n) if max_replicas else 0):
+            open_ = [e for e in range(n) if given[e] < want[e]]
+            if not open_:
+                break
+            pick = min(open_, key=lambda e: (-(row[e] / (given[e] + 1)), e))
+            given[pick] += 1
+        out[layer] = {e: g for e, g in enumerate(given) if g}
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicas_go_to_the_most_tokens_per_copy_as_if_one_at_a_time(seed):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 6, size=(4, 24)) * rng.choice([1, 10, 50], size=(4, 24))  # ties in count / k
+    counts[:, :3] *= 20  # a few hot experts
+    counts[3] = 0  # a layer without tokens
+    spare = [int(rng.integers(0, 3000)) for _ in range(4)]
+    for max_replicas in (1, 3, 7):
+        want = _replicas_one_at_a_time(counts, 1.5, max_replicas, spare, 100)
+        assert plan_replicas(counts, 1.5, max_replicas, spare, 100) == want
+    assert any(want.values())

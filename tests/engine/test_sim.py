@@ -164,6 +164,59 @@ def test_synthetic_routing_is_deterministic_skewed_and_drifts():
         SyntheticRouting(skew=-1)
 
 
+@pytest.mark.parametrize("routing", [
+    SyntheticRouting(skew=1.5, drift=0.3, drift_window_tokens=500, pool_tokens=512),
+    SyntheticRouting(drift=0.0, pool_tokens=100),
+    SyntheticRouting(drift=0.5, drift_window_tokens=7, pool_tokens=37),  # windows shorter than a run
+])
+def test_counting_routed_tokens_without_their_ids_counts_what_rows_route(routing):
+    """counts_many (prefix sums over the pool for long runs, gathered for short ones) against counting
+    the ids rows_many builds: runs of 0, 1 and a few tokens, runs crossing drift windows, runs longer
+    than the pool, several requests in one step."""
+    from engine.moe.policy.plan import counts_by_layer
+
+    rng = np.random.default_rng(5)
+    routes = SyntheticRoutes(SHAPE, routing).fresh()
+    keys = [f"k{i}" for i in range(12)]
+    for k in keys:
+        routes.add(k, int(rng.integers(1, 5000)))
+    for trial in range(60):
+        sel = [str(k) for k in rng.choice(keys, size=int(rng.integers(1, 6)), replace=False)]
+        starts = [int(rng.integers(0, 3000)) for _ in sel]
+        ns = [1] * len(sel) if trial % 3 == 0 else [int(rng.choice([0, 1, 3, 16, 40, 700, 3000])) for _ in sel]
+        got = routes.counts_many(sel, starts, ns)
+        want = counts_by_layer(routes.rows_many(sel, starts, ns, gates=False)[0], SHAPE.n_experts)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want, err_msg=f"{sel} {starts} {ns}")
+
+
+@pytest.mark.parametrize("prune", [(None, 0.1), (2, 0.0), (3, 0.3)])
+def test_synthetic_routes_pruned_per_pool_row_as_prune_routes_prunes_each_token(prune):
+    """rows_many(prune=...) (decided once per pool row) against prune_routes of every token's own gate
+    weights, and counts_many(prune=...) against counting those ids, across drift windows."""
+    from engine.moe.policy.plan import counts_by_layer
+    from engine.moe.policy.routing import prune_routes
+
+    rng = np.random.default_rng(8)
+    routes = SyntheticRoutes(SHAPE, SyntheticRouting(drift=0.4, drift_window_tokens=300, pool_tokens=256)).fresh()
+    keys = [f"k{i}" for i in range(8)]
+    for k in keys:
+        routes.add(k, 3000)
+    for _ in range(30):
+        sel = [str(k) for k in rng.choice(keys, size=int(rng.integers(1, 5)), replace=False)]
+        starts = [int(rng.integers(0, 2000)) for _ in sel]
+        ns = [int(rng.choice([1, 2, 30, 400])) for _ in sel]
+        ids, gates = routes.rows_many(sel, starts, ns)
+        t, n_layers, k = ids.shape
+        want = prune_routes(gates.reshape(t * n_layers, k).astype(np.float32), ids.reshape(t * n_layers, k),
+                            *prune)[1].reshape(t, n_layers, k)
+        got, no_gates = routes.rows_many(sel, starts, ns, prune=prune)
+        assert no_gates is None and got.dtype == want.dtype and (want < 0).any()
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(routes.counts_many(sel, starts, ns, prune=prune),
+                                      counts_by_layer(want, SHAPE.n_experts))
+
+
 def test_sim_without_a_trace_routes_synthetically_and_the_same_twice():
     wl = _workload()
     b = make_backend("shape:mixtral-8x7b", _small(), kind="sim", profile="builtin:h200")
@@ -248,6 +301,27 @@ def test_pricing_all_layers_at_once_equals_layer_by_layer(monkeypatch, knobs):
     np.testing.assert_allclose(fast, slow, rtol=1e-12)
 
 
+@pytest.mark.parametrize("knobs, profile", [
+    (dict(residency="cache", resident_budget_gib=20, max_replicas=3, replica_window_tokens=64), "builtin:h100-pcie"),
+    (dict(max_replicas=2, resident_budget_gib=4, replica_window_tokens=64, missing_expert="host"), "builtin:h100-pcie"),
+    (dict(max_replicas=2, resident_budget_gib=2, replica_window_tokens=64), "builtin:spr"),
+])
+def test_step_plans_with_replicas_price_as_their_layer_decisions(monkeypatch, knobs, profile):
+    """A step plan with replicated runs (or on a host-only profile) is priced from its arrays; against
+    pricing the LayerDecision each layer builds: the same step times, bit for bit."""
+    from engine.sim import step
+
+    wl = _workload(10, 64, 16)
+    b = make_backend("shape:qwen3-30b-a3b", _small(**knobs), kind="sim", profile=profile)
+    fast = run_workload(b, wl, mode="offline")
+    assert fast.meta["tiers"]["replica_calls"] > 0
+    monkeypatch.setattr(step.StepPricer, "_plan_two_tier", lambda self, d, out: [self._layer(x, out) for x in d])
+    monkeypatch.setattr(step.StepPricer, "_plan_parts",
+                        staticmethod(lambda d: (p for x in d for p in step.StepPricer._parts(x))))
+    slow = run_workload(b, wl, mode="offline")
+    assert [s.duration_ms for s in fast.steps] == [s.duration_ms for s in slow.steps]
+
+
 def test_validate_sim_command_ends_with_its_json(make_ckpt, capsys):
     model = str(make_ckpt("qwen2_moe", seed=4, experts=16, top_k=4, width=32))
     rc = engine_main(["validate-sim", "--model", model, "--workload", "builtin:tiny", "--profile", "builtin:spr",
@@ -293,6 +367,7 @@ def test_cache_planned_all_layers_at_once_decides_as_layer_by_layer(monkeypatch,
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
     monkeypatch.setattr(ctl.ResidencyController, "plan_step", layer_by_layer)
+    monkeypatch.setattr(ctl.ResidencyController, "reads_ids", lambda self, n_tokens: True)
     slow = run_workload(b, wl, mode="offline", decisions=True)
     np.testing.assert_allclose([s.duration_ms for s in fast.steps], [s.duration_ms for s in slow.steps], rtol=1e-12)
     assert fast.decisions and fast.decisions == slow.decisions

@@ -40,7 +40,7 @@ from engine.moe.policy.plan import (
     plan_where,
     tier_bytes,
 )
-from engine.moe.policy.replication import plan_replicas, split_tokens
+from engine.moe.policy.replication import plan_replicas
 from engine.moe.policy.residency import (
     TIER_CODES,
     DynamicResidency,
@@ -151,8 +151,12 @@ class StepPlan(_LayerDecisions):
     trivial = False
 
     def __init__(self, counts: np.ndarray, where: np.ndarray, n_tokens: int,
-                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None) -> None:
+                 splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]], cache: StepAccess | None = None,
+                 runs_by_where: tuple[int, ...] | None = None) -> None:
         self.counts, self.where, self.n_tokens, self.splits = counts, where, n_tokens, splits
+        self.runs_by_where = runs_by_where if runs_by_where is not None else \
+            tuple(np.bincount(where[where >= 0], minlength=len(WHERE)).tolist())
+        """Runs per place of :data:`WHERE` over every layer of the step."""
         self.cache = cache
         """Cache residency: every layer's access of the step (None without a cache)."""
         self.n_admitted = cache.admitted.sum(1) if cache is not None else None
@@ -241,27 +245,43 @@ class ResidencyController:
             self.log.layer(decision)
         return decision
 
-    def plan_step(self, ids: np.ndarray) -> tuple[Sequence[LayerDecision], np.ndarray]:
+    def reads_ids(self, n_tokens: int) -> bool:
+        """Whether :meth:`plan_step` of a step of ``n_tokens`` tokens reads the routed ids themselves
+        (micro-batches, cache prefetch), not only their counts per expert."""
+        s = self.settings
+        if s.trivial:
+            return False
+        one_part = len(step_slices(n_tokens, s.batching, s.micro_batch_tokens)) == 1
+        return not (one_part and (self.cache is None or s.prefetch_experts == 0))
+
+    def plan_step(self, ids: np.ndarray | None, counts: np.ndarray | None = None,
+                  n_tokens: int | None = None) -> tuple[Sequence[LayerDecision], np.ndarray]:
         """The decisions of every MoE layer of a step whose routed ids are ``ids`` ``[T, L, K]``, in
         layer order (what :meth:`plan_layer` decides for each), and the step's routed counts ``[L, E]``.
-        Trivial plans come as a :class:`TrivialStep` that builds each decision when read."""
-        counts = counts_by_layer(ids, self.settings.n_experts)
+        Trivial plans come as a :class:`TrivialStep` that builds each decision when read. ``counts``:
+        the ids' counts when already counted; with them ``ids`` may be None (give ``n_tokens``) where
+        :meth:`reads_ids` says the plan reads only the counts."""
+        t = int(ids.shape[0]) if ids is not None else n_tokens
+        if t is None or (ids is None and (counts is None or self.reads_ids(t))):
+            raise ValueError("plan_step needs the routed ids (or their counts and n_tokens where reads_ids is False)")
+        if counts is None:
+            assert ids is not None
+            counts = counts_by_layer(ids, self.settings.n_experts)
         if self.settings.trivial:
             self.stats.expert_calls_fast_hi += int(np.count_nonzero(counts))
-            decisions = TrivialStep(counts, int(ids.shape[0]))
+            decisions = TrivialStep(counts, t)
             if self.log is not None:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
-        t = int(ids.shape[0])
-        one_part = len(step_slices(t, self.settings.batching, self.settings.micro_batch_tokens)) == 1
-        if one_part and (self.cache is None or self.settings.prefetch_experts == 0):
+        if not self.reads_ids(t):
             access = self._access_all_layers(counts) if self.cache is not None else None
             decisions = self._plan_all_layers(counts, t, access)
             if self.log is not None:
                 for d in decisions:
                     self.log.layer(d)
             return decisions, counts
+        assert ids is not None
         return [self.plan_layer(li, ids[:, li, :], counts[li]) for li in range(counts.shape[0])], counts
 
     def _access_all_layers(self, counts: np.ndarray) -> StepAccess:
@@ -270,12 +290,13 @@ class ResidencyController:
         cache = self.cache
         assert cache is not None
         s, st = self.settings, self.stats
+        hits, misses, evictions = cache.hits, cache.misses, cache.evictions
         acc = cache.access_step(counts > 0)
         self.tiers[acc.evicted] = TIER_CODES["host"]
         self.tiers[acc.admitted] = TIER_CODES["hi"]
-        n_ev, n_adm = int(acc.evicted.sum()), int(acc.admitted.sum())
-        st.cache_hits += int(acc.hits.sum())
-        st.cache_misses += int(acc.misses.sum())
+        n_ev, n_adm = cache.evictions - evictions, int(acc.admitted.sum())
+        st.cache_hits += cache.hits - hits
+        st.cache_misses += cache.misses - misses
         st.cache_evictions += n_ev
         st.bytes_evicted += n_ev * s.bytes_hi
         st.bytes_to_fast += n_adm * s.bytes_hi
@@ -287,7 +308,7 @@ class ResidencyController:
         layer, elementwise."""
         s = self.settings
         where = plan_where(counts, self.tiers, s.missing, self.cost, s.bytes_host)  # [L, E], -1 = not routed
-        n_by = np.bincount(where[where >= 0], minlength=len(WHERE)).tolist()
+        n_by = np.bincount((where + 1).ravel(), minlength=len(WHERE) + 1)[1:].tolist()  # -1 (not routed) dropped
         st = self.stats
         st.expert_calls_fast_hi += n_by[0]
         st.expert_calls_fast_lo += n_by[1]
@@ -295,14 +316,18 @@ class ResidencyController:
         st.expert_calls_fetched += n_by[3]
         st.bytes_to_fast += s.bytes_hi * n_by[3]
         splits: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
-        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0)
-        if replicated.any():
-            for li, e in zip(*np.nonzero(replicated), strict=True):
-                r = int(self.replicas[li, e])
-                splits.setdefault(int(li), ())
-                splits[int(li)] += ((int(e), tuple(split_tokens(int(counts[li, e]), r + 1))),)
-                st.replica_calls += r
-        return StepPlan(counts, where, t, splits, access)
+        replicated = (where >= 0) & (where < _HOST_WHERE) & (self.replicas > 0) if s.max_replicas > 0 else None
+        if replicated is not None and replicated.any():  # replicas exist only with max_replicas > 0
+            layers, experts = np.nonzero(replicated)
+            copies = self.replicas[replicated] + 1
+            per_copy, extra = np.divmod(counts[replicated], copies)  # split_tokens: near-equal, extras first
+            by_layer: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+            for li, e, c, q, x in zip(layers.tolist(), experts.tolist(), copies.tolist(), per_copy.tolist(),
+                                      extra.tolist(), strict=True):
+                by_layer.setdefault(li, []).append((e, (q + 1,) * x + (q,) * (c - x)))
+            splits = {li: tuple(runs) for li, runs in by_layer.items()}
+            st.replica_calls += int((copies - 1).sum())
+        return StepPlan(counts, where, t, splits, access, tuple(n_by))
 
     def _plan_part(self, layer: int, ids: np.ndarray, start: int, stop: int,
                    counts: np.ndarray | None) -> PartPlan:
@@ -409,14 +434,16 @@ class ResidencyController:
         else:
             spare = np.maximum(0, np.asarray(self.plan.budgets_bytes) - self.plan.bytes_used())
         wanted = plan_replicas(recent, s.replica_threshold, s.max_replicas, spare, s.bytes_hi)
-        changes = []
-        for layer in range(s.n_layers):
-            for e in range(s.n_experts):
-                n = wanted.get(layer, {}).get(e, 0)
-                if n != self.replicas[layer, e]:
-                    changes.append(ReplicaChange(layer, e, n))
-                    self.replicas[layer, e] = n
-                    self.stats.bytes_to_fast += n * s.bytes_hi
+        new = np.zeros_like(self.replicas)
+        for layer, per_expert in wanted.items():
+            for e, n in per_expert.items():
+                new[layer, e] = n
+        changed = new != self.replicas
+        # In layer then expert order, as the mechanism applies them.
+        changes = [ReplicaChange(layer, e, n) for layer, e, n in zip(*(x.tolist() for x in np.nonzero(changed)),
+                                                                     new[changed].tolist(), strict=True)]
+        self.stats.bytes_to_fast += int(new[changed].sum()) * s.bytes_hi
+        self.replicas[...] = new
         return changes
 
     # ------------------------------------------------------------------ state
@@ -424,13 +451,14 @@ class ResidencyController:
         """Fast-tier bytes the state holds: resident copies and replicas (the loaded weights when
         they are the resident copies)."""
         s = self.settings
-        total = sum(tier_bytes(int(c), s.bytes_hi, s.bytes_lo) for c in self.tiers.reshape(-1))
+        n_hi, n_lo = int(np.count_nonzero(self.tiers == 2)), int(np.count_nonzero(self.tiers == 1))
+        total = n_hi * tier_bytes(2, s.bytes_hi, s.bytes_lo) + n_lo * tier_bytes(1, s.bytes_hi, s.bytes_lo)
         return int(total + self.replicas.sum() * s.bytes_hi)
 
     def expert_table(self, hi: str, lo: str | None, host: str) -> dict[tuple[int, int], tuple[bool, str, int]]:
         """(MoE layer index, expert) -> (resident, precision it runs in, replicas), given the
         precision names of the tiers."""
         names = {0: host, 1: lo or host, 2: hi}
-        return {(layer, e): (bool(self.tiers[layer, e]), names[int(self.tiers[layer, e])],
-                             int(self.replicas[layer, e]))
-                for layer in range(self.settings.n_layers) for e in range(self.settings.n_experts)}
+        return {(layer, e): (bool(code), names[code], int(rep))
+                for layer, (codes, reps) in enumerate(zip(self.tiers.tolist(), self.replicas.tolist(), strict=True))
+                for e, (code, rep) in enumerate(zip(codes, reps, strict=True))}

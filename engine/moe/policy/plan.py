@@ -248,12 +248,19 @@ def plan_where(counts: np.ndarray, tiers: np.ndarray, mode: Mode, cost: CostMode
                host_bytes: int) -> np.ndarray:
     """Where each routed expert of every layer runs: int8 ``[L, E]`` indices into :data:`WHERE` (-1 where
     ``counts`` is 0), decided as :func:`plan_run_arrays` decides them layer by layer."""
-    c = np.asarray(counts)
-    where = _CODE_TO_WHERE[np.asarray(tiers)].astype(np.int8)
-    missing = (np.asarray(tiers) <= 0) & (c > 0)
+    c, code = np.asarray(counts), np.asarray(tiers)
+    if mode in _WHERE_BY_CODE and code.dtype == np.int8:  # host or fetch: one lookup by (routed, tier code)
+        return _WHERE_BY_CODE[mode][(c > 0).view(np.int8) * np.int8(3) + code]
+    where = _CODE_TO_WHERE[code]  # a new int8 array
+    missing = (code <= 0) & (c > 0)
     _place_missing(where, missing, c[missing], mode, cost, host_bytes)
     where[c <= 0] = -1
     return where
+
+
+# plan_where's table for modes that place a missing expert whatever its tokens: [3 x routed + tier code].
+_WHERE_BY_CODE = {mode: np.array([-1, -1, -1, missing, WHERE.index("lo"), WHERE.index("hi")], np.int8)
+                  for mode, missing in (("host", _HOST), ("fetch", _FETCH))}
 
 
 @dataclass

@@ -59,14 +59,13 @@ def plan_replicas(recent_counts: np.ndarray, threshold: float, max_replicas: int
         over = allowed & (row > limit)
         want[over] = np.minimum(np.ceil(row[over] / limit).astype(np.int64) - 1, int(max_replicas))
         want[over] = np.maximum(want[over], 1)
-        given = np.zeros(n_experts, np.int64)
-        for _ in range(slots):
-            open_ = np.flatnonzero(given < want)
-            if not open_.size:
-                break
-            per_copy = row[open_] / (given[open_] + 1)
-            pick = int(open_[np.lexsort((open_, -per_copy))[0]])
-            given[pick] += 1
+        # Handing replicas out one at a time to the highest tokens per copy (ties: lower id) takes the
+        # ``slots`` highest of every wanted copy's ``count / k`` (k = 1..want: decreasing per expert).
+        experts = np.repeat(np.arange(n_experts), want)
+        k = np.arange(len(experts)) - np.repeat(np.cumsum(want) - want, want) + 1
+        per_copy = row[experts] / k
+        taken = experts[np.lexsort((experts, -per_copy))[:slots]]
+        given = np.bincount(taken, minlength=n_experts)
         out[layer] = {int(e): int(given[e]) for e in np.flatnonzero(given)}
     return out
 

@@ -452,7 +452,7 @@ class CacheAccess(NamedTuple):
 
 class StepAccess(NamedTuple):
     """Outcome of one :meth:`ExpertCache.access_step`, ``[L, E]`` masks: hits, misses, evicted and
-    admitted experts; ``rank`` orders each layer's victims (eviction order)."""
+    admitted experts; ``rank`` orders each layer's victims (eviction order: lower first)."""
 
     hits: np.ndarray
     misses: np.ndarray
@@ -665,36 +665,42 @@ class ExpertCache:
         if routed.shape != self._last.shape:
             raise ValueError(f"routed must be [{self.n_layers}, {self.n_experts}], got {list(routed.shape)}")
         last, clock0 = self._last, self._clock
-        clocks = clock0 + np.cumsum(routed.ravel()).reshape(routed.shape)
         held = last >= 0
-        hit, miss = routed & held, routed & ~held
+        hit = routed & held
+        miss = routed ^ hit
         n_miss = miss.sum(1)
         room = np.maximum(0, np.asarray(self.capacity_experts) - np.asarray(self._size))
         need = n_miss - room
-        cand = held & ~routed
-        # Eviction order within a layer: LRU oldest use first; LFU fewest uses, then oldest (clocks never
-        # tie among cached experts, so the key is unique).
-        key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
-        # Ranks only where a layer evicts (nothing else reads them; a layer with room keeps rank 0, which
-        # is never below its need of 0 or less).
-        rank = np.zeros(self._last.shape, np.int64)
-        evicting = np.flatnonzero(need > 0)
-        if len(evicting):
-            sub = np.where(cand[evicting], key[evicting], np.iinfo(np.int64).max)
-            order = np.argsort(sub, axis=1, kind="stable")
-            ranks = np.empty_like(sub)
-            np.put_along_axis(ranks, order, np.broadcast_to(np.arange(self.n_experts), sub.shape), axis=1)
-            rank[evicting] = ranks
-        victim = cand & (rank < need[:, None])
-        n_vict = victim.sum(1)
-        admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None])
+        if (need > 0).any():
+            cand = held & ~routed
+            # Eviction order within a layer: LRU oldest use first; LFU fewest uses, then oldest (clocks never
+            # tie among cached experts, so the key is unique and a layer's victims are the candidates whose
+            # key is at most its need-th smallest).
+            key = last if self.policy == "lru" else self._freq * (clock0 + 1) + last
+            rank = np.where(cand, key, np.iinfo(np.int64).max)
+            nth = np.sort(rank, axis=1)[np.arange(self.n_layers), np.maximum(need, 1) - 1]  # need <= E
+            victim = cand & (rank <= np.where(need > 0, nth, -1)[:, None])
+            n_vict = victim.sum(1)
+            last[victim] = -1
+        else:  # room for every miss
+            rank = np.zeros(last.shape, np.int64)
+            victim = np.zeros(last.shape, bool)
+            n_vict = np.zeros(self.n_layers, np.int64)
+        # Misses admitted in expert order while there is room (all of them unless a layer ran out of victims).
+        short = room + n_vict < n_miss
+        admitted = miss & (np.cumsum(miss, axis=1) <= (room + n_vict)[:, None]) if short.any() else miss
         self._freq += routed
-        last[victim] = -1
-        use = hit | admitted
-        last[use] = clocks[use]
-        self._clock = int(clock0 + routed.sum())
+        # Each routed expert takes the next tick in layer-then-expert order; hits and admissions keep theirs.
+        at = np.flatnonzero(routed)
+        n_routed = len(at)
+        ticks = np.arange(clock0 + 1, clock0 + 1 + n_routed)
+        if admitted is not miss:
+            used = (hit | admitted).ravel()[at]
+            at, ticks = at[used], ticks[used]
+        np.put(last, at, ticks)
+        self._clock = clock0 + n_routed
         self._size = (np.asarray(self._size) + admitted.sum(1) - n_vict).tolist()
-        self.hits += int(hit.sum())
+        self.hits += int(np.count_nonzero(hit))
         self.misses += int(n_miss.sum())
         self.evictions += int(n_vict.sum())
         return StepAccess(hit, miss, victim, admitted, rank)
