@@ -86,8 +86,8 @@ class Objective:
     prune: bool = True
     quality: bool = True
     """Measure output quality against the full-precision reference (False: no check runs, and every
-    trial records ``quality_check: "off"``; a searched trial pruned on the first rung before its check
-    records ``"pruned first"``)."""
+    trial records ``quality_check: "off"``; a searched trial stopped early on the first rung before its
+    check records ``"pruned first"``)."""
     margin: Callable[[], float] = lambda: REL_TOL
     """The early-stop margin: the study's measured noise (relative spread of the objective) once known."""
     reconfigure_s: list[float] = field(default_factory=list)
@@ -162,9 +162,9 @@ class Objective:
         self._engine_suspect = False
         self.reconfigure_s.append(timing["reconfigure_s"])
         rungs = self.effective_rungs() if self.single else (1.0,)
-        # A searched trial the first rung may prune checks its quality only once it passes that rung (most
-        # trials of a long search are pruned there, and their quality is read by nothing); a trial whose
-        # objectives read quality, and every baseline, checks it first.
+        # A searched trial checks its quality only once its first-rung search was not stopped early at the
+        # incumbent's bar (most trials of a long search are stopped there, and their quality is read by
+        # nothing); a trial whose objectives read quality, and every baseline, checks it first.
         defer = (baseline is None and self.prune and len(rungs) > 1 and self.quality
                  and not any(o.startswith("quality_") for o in self.objectives))
         quality: dict[str, float] | None = None
@@ -188,8 +188,6 @@ class Objective:
         margin = self.margin()
         for i, fidelity in enumerate(rungs):
             last = i == len(rungs) - 1
-            if i == 1 and defer:
-                check_quality()
             searched = baseline is None and self.prune and self.single
             # The early stop at the incumbent less the noise is for the first fidelity alone: a trial the
             # pruner promoted is competitive, and its bar would be a probe at a low rate (a long replay).
@@ -208,6 +206,10 @@ class Objective:
                 self._stop(trial, trial_id, "pruned", f"{_fidelity(fidelity)}: {m.reason}", summary=summary)
             if m.values is None:
                 raise TrialFailed(m.reason or "the objective was not measured")
+            if i == 0 and defer:
+                # Before its value counts anywhere: a config under the quality floor must not become the
+                # incumbent at this rung (its bar would cut good configs) nor a competitor of the pruner.
+                check_quality()
             rung_values[str(i)] = m.values[0]
             trial.set_user_attr(ATTR_RUNGS, rung_values)
             if self.single and len(rungs) > 1:

@@ -122,6 +122,25 @@ def test_a_trial_pruned_on_the_first_rung_skips_the_quality_check(sqlite_url, wi
         assert searched.quality_top1_agreement is None
 
 
+def test_a_config_under_the_quality_floor_never_sets_the_bar(sqlite_url, wire):
+    """A searched trial checks its (deferred) quality right after its first-rung search, before the value
+    counts: a config under the floor ends infeasible without becoming the rung's incumbent or a competitor
+    of the pruner, however fast it ran."""
+    from tuner.objective import ATTR_RUNGS, incumbent_value
+
+    w = wire(sqlite_url, slo=["quality_min=0.999"], mode="offline", name="floor", rungs=(0.5, 1.0),
+             max_requests=12, objectives=["output_tokens_per_s"])
+    point = w.objective.space.defaults(EngineConfig())
+    w.study.enqueue_trial(point, user_attrs={"baseline": "defaults"})
+    w.study.enqueue_trial({**point, "runtime.compute_dtype": "checkpoint"})  # bf16 products: agreement < 1
+    run_trials(w.study, w.objective, 2)
+    (_, base_state, _), (_, state, error) = _rows(w.db)
+    assert base_state == "complete" and state == "infeasible" and "misses quality_min=0.999" in error, error
+    base, low = w.study.trials
+    assert ATTR_RUNGS not in low.user_attrs and not low.intermediate_values
+    assert incumbent_value(w.study, 0) == base.user_attrs[ATTR_RUNGS]["0"]
+
+
 def test_the_first_searched_trial_competes_with_the_baselines_at_the_first_rung(sqlite_url, wire):
     """Successive halving measures a searched trial against every value at its rung, the baselines' too: a
     first searched trial far below the defaults is cut on the prefix, not promoted for want of competitors."""
