@@ -38,6 +38,31 @@ MIN_RATE_SCALE = 1 / 8  # lower rates make probes 8x longer than the recorded tr
 MAX_RATE_SCALE = 4096.0
 
 
+#: The coarsest bisection a search stops at once the study's noise is measured (a bracket 25 % wide: the
+#: estimate within 12 %).
+MAX_NOISE_TOL = 0.25
+
+
+def noise_tolerance(noise_rel_spread: float | None, rel_tol: float) -> float:
+    """The bisection tolerance of a search in a study whose noise is measured: half the noise (its relative
+    spread), between the study's ``rel_tol`` and :data:`MAX_NOISE_TOL`. A finer bracket buys nothing the
+    measurements can show: configs closer than the noise are told apart by the confirmation's repeats,
+    not by one search, and every halving of the bracket costs a probe, the longest probes of a slow config.
+    Used by searched trials once the noise is measured and by confirmation runs."""
+    if noise_rel_spread is None:
+        return rel_tol
+    return min(MAX_NOISE_TOL, max(rel_tol, noise_rel_spread / 2))
+
+
+def rerun_step(rel_tol: float) -> float:
+    """The first step of a re-run of a config whose capacity is known (noise repeats, confirmation runs):
+    one tolerance. Started at the last estimate, a run whose knee moved less than that is over after one
+    probe each side; a 1.25 step would bracket it as fast and then bisect twice to a 10 % tolerance.
+    Measured on a step curve (`find_capacity`, rel_tol 0.1, knees log-normal around the start): 2.1, 2.6
+    and 3.1 probes a run at a spread of 5, 9 and 15 % against 4.0, 4.0 and 4.3 with a 1.25 step."""
+    return 1.0 + rel_tol
+
+
 @dataclass(frozen=True)
 class Probe:
     """One replay at ``rate_scale``: its attainment, and whether it met the target."""

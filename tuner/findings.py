@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from db.models import MeasurementRow, ProbeRow, Study, Trial
 from tuner.metrics import OBJECTIVES
 from tuner.stats import (
+    NO_GAIN,
     Interval,
     Noise,
     describe_gain,
@@ -72,14 +73,24 @@ def noise_summary(session: Session, study: Study) -> dict[str, Any] | None:
     return {**n.to_dict(), "objective": study.objectives[0] if study.objectives else None}
 
 
-def gain_over_zero(baseline: str, runs: int, best_lo: float, floor_rps: float | None) -> dict[str, Any]:
-    """The gain row over a baseline that met the target at no rate in any of its ``runs``: a gain, bounded
-    from below by the best config's lowest run over the lowest rate the baseline missed at."""
-    bound = best_lo / floor_rps if floor_rps else None
+def gain_over_zero(baseline: str, runs: int, best_lo: float, floor_rps: float | None,
+                   met_rps: Sequence[float] = ()) -> dict[str, Any]:
+    """The gain row over a baseline that met the target at no rate in some of its ``runs`` (``met_rps``: the
+    capacities of the others, if any): bounded from below by the best config's lowest run over the highest
+    capacity the baseline could have had in any run (a run at 0 missed at ``floor_rps`` and above). A gain
+    when that bound exceeds 1, else no gain beyond noise."""
+    zero = runs - len(met_rps)
+    top = max([*met_rps, floor_rps or 0.0])
+    bound = best_lo / top if top > 0 and (floor_rps or met_rps) else None
+    where = ("it met the target at no rate tried" + (f", down to {floor_rps:.3g} req/s," if floor_rps else "")
+             + (f" in {runs} runs" if not met_rps else f" in {zero} of {runs} runs, and up to {max(met_rps):.4g} "
+                f"req/s in the other{'s' if len(met_rps) > 1 else ''}"))
+    if bound is not None and bound <= 1:
+        return {"verdict": NO_GAIN, "lower_bound": bound, "floor_rps": floor_rps,
+                "text": f"over {baseline}: {NO_GAIN} ({where}; the best config's lowest run {best_lo:.4g})"}
     return {"verdict": "gain", "lower_bound": bound, "floor_rps": floor_rps,
-            "text": (f"more than x{bound:.3g} " if bound else "") + f"over {baseline}: it met the target at no rate "
-                    "tried" + (f", down to {floor_rps:.3g} req/s," if floor_rps else "")
-                    + f" in {runs} runs; the best config's lowest run {best_lo:.4g}"}
+            "text": (f"more than x{bound:.3g} " if bound else "") + f"over {baseline}: {where}; "
+                    f"the best config's lowest run {best_lo:.4g}"}
 
 
 def _lowest_rate_missed(session: Session, rows: Sequence[MeasurementRow]) -> float | None:
@@ -139,11 +150,13 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
             row = {"baseline": c["baseline"], "number": c["number"], "gain": g.to_dict() if g else None,
                    "verdict": verdict(g), "text": describe_gain(g, c["baseline"])}
             measured = [v for v in c["values"] if v is not None]
-            if g is None and measured and max(measured) == 0 and best["interval"]["lo"] > 0:
-                # A capacity of 0: the baseline met the target at no rate the search tried; its lowest
-                # rate (the highest over the runs) bounds the gain from below.
-                floor = _lowest_rate_missed(session, [r for r in rows if r.trial_id == c["trial_id"]])
-                row.update(gain_over_zero(c["baseline"], len(measured), best["interval"]["lo"], floor))
+            if g is None and measured and min(measured) == 0 and best["interval"]["lo"] > 0:
+                # A capacity of 0 in some runs: the baseline met the target at no rate the search tried
+                # there; those runs' lowest rate (the highest over them) and the other runs' capacities
+                # bound the gain from below.
+                floor = _lowest_rate_missed(session, [r for r in rows if r.trial_id == c["trial_id"] and r.value == 0])
+                row.update(gain_over_zero(c["baseline"], len(measured), best["interval"]["lo"], floor,
+                                          [v for v in measured if v > 0]))
             gains.append(row)
     order = [trials[r.trial_id].number for r in sorted(rows, key=lambda r: r.seq)]
     return {

@@ -40,6 +40,7 @@ import torch
 from db.store import stable_hash
 from engine.config import ConfigError, EngineConfig, merge_flat
 from engine.runtime import Engine, pick_dtype
+from tuner import capacity as cap
 from tuner.capacity import REL_TOL
 from tuner.feasibility import estimate_memory, memory_problem
 from tuner.measure import Measurement, Measurer, QualityCheck, quality_key
@@ -196,9 +197,15 @@ class Objective:
             start_scale = None
             if start is None and done and done[-1].capacity is not None and done[-1].capacity.rate_scale > 0:
                 start_scale = done[-1].capacity.rate_scale
+            # A searched trial bisects no finer than half the study's noise (configs closer than that are
+            # told apart by the confirmation), and one the pruner promoted starts a warm step from the
+            # incumbent of its rung: competitive, so its knee lies near.
+            rel_tol = cap.noise_tolerance(margin, self.measurer.settings.rel_tol) if searched else None
+            first_step = cap.WARM_STEP if searched and i > 0 and start is not None else None
             m = self.measurer.measure(
                 fidelity, start_rps=start, start_scale=start_scale, incumbent_rps=incumbent,
-                margin=margin, quality=quality, stop_on_miss=searched and not self.measurer.settings.capacity)
+                margin=margin, quality=quality, stop_on_miss=searched and not self.measurer.settings.capacity,
+                first_step=first_step, rel_tol=rel_tol)
             done.append(m)
             self.recorder.measurement(trial_id, "search", m)
             summary = self._timing(timing, done, t_trial, quality)

@@ -90,7 +90,8 @@ class NoisePhase:
         objective = self.measurer.settings.objectives[0]
         config = EngineConfig.from_dict(defaults.config, source=f"trial {defaults.number} [defaults]")
         self.measurer.apply(config)
-        m = self.measurer.measure(1.0, start_rps=_value(defaults, objective), first_step=cap.WARM_STEP)
+        m = self.measurer.measure(1.0, start_rps=_value(defaults, objective),
+                                  first_step=cap.rerun_step(self.measurer.settings.rel_tol))
         self.ran_s += m.wall_s
         self.recorder.measurement(defaults.id, "noise", m, session_no=0, repeat=have, seq=have)
         _, have = self._state()
@@ -122,20 +123,6 @@ def pick_confirmed(trials: list[Trial], objective: str, top: int) -> list[Trial]
     return out
 
 
-#: The coarsest bisection a confirmation run stops at (a bracket 25 % wide: the estimate within 12 %).
-MAX_CONFIRM_TOL = 0.25
-
-
-def confirm_tolerance(noise_rel_spread: float | None, rel_tol: float) -> float:
-    """The bisection tolerance of a confirmation run: half the study's measured noise (its relative spread),
-    between the search's ``rel_tol`` and :data:`MAX_CONFIRM_TOL`. A finer bracket buys nothing the repeats
-    can show: a run's bracket error (at most half the tolerance) then adds a few percent to the spread of
-    the repeats, and every halving of it costs a probe a run, the longest probes of a slow config."""
-    if noise_rel_spread is None:
-        return rel_tol
-    return min(MAX_CONFIRM_TOL, max(rel_tol, noise_rel_spread / 2))
-
-
 def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats: int,
             say: Say = log.info) -> int | None:
     """Re-measure the top searched configs and every baseline ``repeats`` times, interleaved; returns the
@@ -156,7 +143,7 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats:
         for t in picks:
             s.expunge(t)
     base_tol = measurer.settings.rel_tol
-    tol = confirm_tolerance(n.rel_spread if n is not None else None, base_tol)
+    tol = cap.noise_tolerance(n.rel_spread if n is not None else None, base_tol)
     if not picks:
         say("confirm: no complete trial to confirm")
         return None
@@ -174,7 +161,7 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats:
             config = EngineConfig.from_dict(t.config, source=f"trial {t.number}")
             try:
                 measurer.apply(config)
-                m = measurer.measure(1.0, start_rps=last[t.id] or floor.get(t.id), first_step=cap.WARM_STEP,
+                m = measurer.measure(1.0, start_rps=last[t.id] or floor.get(t.id), first_step=cap.rerun_step(tol),
                                      floor_rps=floor.get(t.id), rel_tol=tol)
             except Exception as e:  # noqa: BLE001 - one failed run must not lose the session
                 log.warning("confirm: trial %s run %d failed: %s", t.number, r + 1, e)

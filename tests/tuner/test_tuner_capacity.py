@@ -6,7 +6,18 @@ import math
 
 import pytest
 
-from tuner.capacity import COLD_STEP, MAX_PROBES, REL_TOL, WARM_STEP, Probe, find_capacity, probes_needed
+from tuner.capacity import (
+    COLD_STEP,
+    MAX_NOISE_TOL,
+    MAX_PROBES,
+    REL_TOL,
+    WARM_STEP,
+    Probe,
+    find_capacity,
+    noise_tolerance,
+    probes_needed,
+    rerun_step,
+)
 from tuner.stats import (
     NO_GAIN,
     describe_gain,
@@ -81,15 +92,30 @@ def test_a_confirmation_as_coarse_as_its_first_step_needs_two_probes_near_its_st
     """A re-run warm-started at its last value, bisecting to a tolerance of its first step (a noisy study's
     confirmation): when the knee moved less than a step, one probe each side ends it (the bracket one step
     wide counts as within the tolerance despite rounding)."""
-    from tuner.repeats import MAX_CONFIRM_TOL, confirm_tolerance
-
-    tol = confirm_tolerance(0.62, REL_TOL)
-    assert tol == MAX_CONFIRM_TOL == WARM_STEP - 1
-    got = find_capacity(curve(knee, width=0.01), 0.9, 1.0, first_step=WARM_STEP, rel_tol=tol)
+    tol = noise_tolerance(0.62, REL_TOL)
+    assert tol == MAX_NOISE_TOL == WARM_STEP - 1
+    got = find_capacity(curve(knee, width=0.01), 0.9, 1.0, first_step=rerun_step(tol), rel_tol=tol)
     assert len(got.probes) == 2 and got.lo <= knee <= got.hi
-    assert confirm_tolerance(0.1, REL_TOL) == REL_TOL  # a quiet machine: the search's own tolerance
-    assert confirm_tolerance(0.3, REL_TOL) == pytest.approx(0.15)  # half the noise in between
-    assert confirm_tolerance(None, REL_TOL) == REL_TOL  # no noise measured
+    assert noise_tolerance(0.1, REL_TOL) == REL_TOL  # a quiet machine: the search's own tolerance
+    assert noise_tolerance(0.3, REL_TOL) == pytest.approx(0.15)  # half the noise in between
+    assert noise_tolerance(None, REL_TOL) == REL_TOL  # no noise measured
+
+
+@pytest.mark.parametrize("knee", [1.0, 1.04, 1.09, 0.93])
+def test_a_rerun_whose_knee_stayed_within_the_tolerance_takes_one_probe_each_side(knee):
+    """Noise repeats and confirmation runs start at the config's last estimate and step by one tolerance:
+    two probes where a 1.25 step needs four (bracket, then two bisections down to 10 %), and the estimate
+    is as close to the knee as the tolerance promises."""
+    got = find_capacity(curve(knee, width=0.01), 0.9, 1.0, first_step=rerun_step(REL_TOL), rel_tol=REL_TOL)
+    assert len(got.probes) == 2 and got.lo <= knee <= got.hi
+    assert abs(math.log(got.rate_scale / knee)) <= math.log(1 + REL_TOL) / 2 + 1e-9
+    assert len(find_capacity(curve(knee, width=0.01), 0.9, 1.0, first_step=WARM_STEP).probes) == 4
+
+
+def test_a_rerun_whose_knee_moved_far_still_finds_it():
+    for knee in (0.31, 2.9):
+        got = find_capacity(curve(knee), 0.9, 1.0, first_step=rerun_step(REL_TOL), max_probes=12)
+        assert got.lo <= knee <= got.hi and got.hi / got.lo <= 1 + REL_TOL
 
 
 def test_edges_floor_ceiling_and_probe_objects():

@@ -138,3 +138,19 @@ def test_a_baseline_that_met_the_target_at_no_rate_bounds_the_gain_from_below():
     assert "3 runs" in row["text"]
     unbounded = gain_over_zero("hf-static-like", 2, 33.5, None)  # no probe rate recorded: no bound claimed
     assert unbounded["lower_bound"] is None and unbounded["text"].startswith("over hf-static-like")
+
+
+def test_a_baseline_at_zero_in_some_runs_bounds_the_gain_by_its_best_run():
+    """Found in a 30-minute chat run: llama.cpp-like met the target at no rate in 2 of 3 confirmation runs
+    and up to 0.633 req/s in the third; the summary said "not measured". The bound takes the highest
+    capacity the baseline could have had in any run."""
+    from tuner.findings import gain_over_zero
+    from tuner.stats import NO_GAIN
+
+    row = gain_over_zero("llama.cpp-like", 3, 2.774, 0.297, [0.633])
+    assert row["verdict"] == "gain" and row["lower_bound"] == pytest.approx(2.774 / 0.633)
+    assert row["text"].startswith("more than x4.38 over llama.cpp-like") and "in 2 of 3 runs" in row["text"]
+    assert "up to 0.633 req/s in the other;" in row["text"]
+    close = gain_over_zero("llama.cpp-like", 3, 2.774, 0.297, [2.5, 3.1])  # its best run beats the best's lowest
+    assert close["verdict"] == NO_GAIN and close["lower_bound"] < 1 and "in 1 of 3 runs" in close["text"]
+    assert "in the others" in close["text"]
