@@ -93,6 +93,33 @@ def gain_over_zero(baseline: str, runs: int, best_lo: float, floor_rps: float | 
                     f"the best config's lowest run {best_lo:.4g}"}
 
 
+def _censored(row: dict[str, Any], best: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """A gain row where some runs met the target at the highest rate tried (their values are lower bounds of
+    the capacity): the best config's make the gain a lower bound ("at least"), the baseline's an upper one;
+    with both, the runs say nothing about the gain."""
+    text = row["text"]
+    n = len([v for v in best["values"] if v is not None])
+    why = (f"{best['open_above']} of the best config's {n} runs met the target at the highest rate tried, "
+           f"{max(v for v in best['values'] if v is not None):.4g}: beyond what this workload can show")
+    if best["open_above"] and other["open_above"]:
+        return {"verdict": NO_GAIN, "lower_bound": None,
+                "text": f"over {other['baseline']}: not comparable ({why}, and so did {other['open_above']} of "
+                        f"{other['baseline']}'s)"}
+    if other["open_above"]:
+        return {"text": f"at most {text} ({other['open_above']} of {other['baseline']}'s runs met the target at "
+                        "the highest rate tried)"}
+    if text.startswith("more than"):
+        return {"text": f"{text} ({why})"}
+    g = row.get("gain")
+    if g is None:
+        return {}
+    core = f"x{g['median']:.2f} over {other['baseline']} ({g['lo']:.2f}-{g['hi']:.2f}, {g['n']} runs each)"
+    if row.get("verdict") == "gain":
+        return {"text": f"at least {core} ({why})"}
+    # Below or across 1 from a lower bound: the best config may be better than it measured, so no verdict.
+    return {"verdict": NO_GAIN, "text": f"at least {core}: {NO_GAIN} ({why})"}
+
+
 def _lowest_rate_missed(session: Session, rows: Sequence[MeasurementRow]) -> float | None:
     """The highest, over measurements that met the target at no rate, of the lowest rate each probed
     (req/s): below it a capacity of 0 says nothing."""
@@ -126,9 +153,12 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
     trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_({r.trial_id for r in rows})))}
     repeats = max(r.repeat for r in rows) + 1
     by_trial: dict[int, list[float | None]] = {}
+    open_above: dict[int, int] = {}  # runs that met the target up to the highest rate tried: lower bounds
     for r in sorted(rows, key=lambda r: r.seq):
         values = by_trial.setdefault(r.trial_id, [None] * repeats)
         values[r.repeat] = r.value
+        if r.bounded is False and r.value:
+            open_above[r.trial_id] = open_above.get(r.trial_id, 0) + 1
     configs = []
     for trial_id, values in by_trial.items():
         t = trials[trial_id]
@@ -136,6 +166,7 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
         iv = interval(measured) if measured else None
         configs.append({"trial_id": trial_id, "number": t.number, "baseline": t.baseline_name, "label": _label(t),
                         "values": values, "search_value": _search_value(t, study),
+                        "open_above": open_above.get(trial_id, 0),
                         "interval": iv.to_dict() if iv else None, "config": t.config})
     ranked = sorted((c for c in configs if c["interval"]),
                     key=lambda c: c["interval"]["median"], reverse=direction == "maximize")
@@ -157,6 +188,8 @@ def confirmation(session: Session, study: Study, session_no: int | None = None) 
                 floor = _lowest_rate_missed(session, [r for r in rows if r.trial_id == c["trial_id"] and r.value == 0])
                 row.update(gain_over_zero(c["baseline"], len(measured), best["interval"]["lo"], floor,
                                           [v for v in measured if v > 0]))
+            if best["open_above"] or c["open_above"]:
+                row.update(_censored(row, best, c))
             gains.append(row)
     order = [trials[r.trial_id].number for r in sorted(rows, key=lambda r: r.seq)]
     return {

@@ -131,8 +131,11 @@ def _print_confirmation(report: Mapping[str, Any], conf: Mapping[str, Any], say:
     changed = next((r["changed"] for r in report["best"] + report["baselines"] if r["number"] == best["number"]), {})
     iv = best["interval"]
     kind = "baseline " + best["baseline"] if best["baseline"] else f"trial {best['number']}"
+    above = (f"; {best['open_above']} of them met the target at the highest rate tried, so at least that"
+             if best.get("open_above") else "")
     say(f"best confirmed {'baseline' if best['baseline'] else 'searched config'}: {kind}, {o} {iv['median']:.4g} "
-        f"{unit} ({iv['lo']:.4g}-{iv['hi']:.4g}, {iv['n']} runs); knobs changed from the defaults: {_changed(changed)}")
+        f"{unit} ({iv['lo']:.4g}-{iv['hi']:.4g}, {iv['n']} runs{above}); knobs changed from the defaults: "
+        f"{_changed(changed)}")
     for g in conf["gains"]:
         say(f"  {g['text']}")
     say("finding: " + finding(conf, changed))
