@@ -32,8 +32,8 @@ from streamlit.testing.v1 import AppTest
 
 from db.models import Study, Trial, Validation, ValidationMetric, Workload
 from db.session import make_engine, session_scope
-from db.store import start_trial
-from engine.config import EngineConfig
+from db.store import fail_trial, stable_hash, start_trial
+from engine.config import ConfigError, EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "dashboard" / "app.py"
@@ -116,8 +116,9 @@ def sim_validated(tmp_path_factory, _moetune_cache):
 
 @pytest.fixture(scope="session")
 def altered(seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """A copy of the seed where a worker is mid-trial (one running trial in ``live``) and the
-    ``live`` workload's file has gone (its source points nowhere)."""
+    """A copy of the seed where a worker is mid-trial (one running trial in ``live``), one trial the
+    engine refused (998, infeasible with the config error it raises, whatever the realtime run
+    produced) and the ``live`` workload's file has gone (its source points nowhere)."""
     path = tmp_path_factory.mktemp("dashboard-altered") / "moetune.db"
     with closing(sqlite3.connect(seed.path)) as src, closing(sqlite3.connect(path)) as dst:
         src.backup(dst)  # a consistent copy, whatever is still in the write-ahead log
@@ -127,6 +128,10 @@ def altered(seed: Seed, tmp_path_factory: pytest.TempPathFactory) -> SimpleNames
     with session_scope(db) as s:
         study = s.scalars(select(Study).where(Study.name == seed.live)).one()
         start_trial(s, study.id, 999, config.to_dict(), config.config_hash())
+        bad = {**config.to_dict(), "experts": {**config.to_dict()["experts"], "int4_group_size": 48}}
+        with pytest.raises(ConfigError) as refused:
+            EngineConfig.from_dict(bad, source="trial 998")
+        fail_trial(s, start_trial(s, study.id, 998, bad, stable_hash(bad)), str(refused.value), "infeasible")
         workload = s.get(Workload, study.workload_id)
         workload.source = str(path.parent / "gone")
     db.dispose()

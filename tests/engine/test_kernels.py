@@ -250,6 +250,7 @@ def _prompt_logits(engine: Engine) -> list[torch.Tensor]:
     ("mixtral", {"sliding_window": 5}),  # decode attention over a window of the cache
 ])
 def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch, overrides):
+    """The f32 mode (forced, whatever this CPU's table picks): the logits and greedy tokens of fp32."""
     path = make_ckpt(arch, dtype="bfloat16", seed=3, **overrides)
     base = EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4)
     native = Engine(path, base.replace(cpu_kernels="native"))
@@ -257,11 +258,40 @@ def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch, overrides):
     assert native.weight_dtype == torch.bfloat16 and native.model.native
     assert torch_.weight_dtype == torch.float32 and not torch_.model.native
     assert native.model.weight_bytes() < 0.6 * torch_.model.weight_bytes()
-    for a, b in zip(_prompt_logits(native), _prompt_logits(torch_), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
-    assert native.generate(PROMPTS, 8) == torch_.generate(PROMPTS, 8)
+    with kernels.forced_paths(bf16="f32"):
+        for a, b in zip(_prompt_logits(native), _prompt_logits(torch_), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+        assert native.generate(PROMPTS, 8) == torch_.generate(PROMPTS, 8)
     assert native.kernels_label.startswith("native")
     assert torch_.kernels_label == "torch (runtime.cpu_kernels=torch)"
+
+
+# Logit error of a whole engine against fp32, as a fraction of the largest logit, per bf16 arithmetic mode:
+# f32 differs only in summation order; bf16dp rounds every product's activations to bf16 (2^-9
+# relative each; measured 1.5e-3 over the tiny checkpoints' layers on an AVX512_BF16 EPYC).
+ENGINE_LOGIT_TOL = {"f32": 1e-4, "bf16dp": 1e-2}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_engine_on_the_paths_this_cpu_picks_stays_within_their_precision(make_ckpt, arch):
+    """What `auto` runs here (bf16dp where AVX512_BF16 is the fastest, else f32; every mode this CPU
+    runs, forced): logits within that mode's tolerance of fp32 and the same top-1 token almost everywhere,
+    and the label names the mode."""
+    path = make_ckpt(arch, dtype="bfloat16", seed=4)
+    base = EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4)
+    native, torch_ = Engine(path, base), Engine(path, base.replace(cpu_kernels="torch"))
+    ref = _prompt_logits(torch_)
+    auto = kernels.path("bf16", 1)
+    modes = [None] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in _runnable() else [])
+    for forced in modes:
+        with kernels.forced_paths(**({"bf16": forced} if forced else {})):
+            mode = kernels.path("bf16", 1).split(":")[-1]
+            got = _prompt_logits(native)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=ENGINE_LOGIT_TOL[mode] * float(b.abs().max()))
+        same = torch.cat([(a.argmax(-1) == b.argmax(-1)) for a, b in zip(got, ref, strict=True)])
+        assert same.float().mean() >= 0.95, (forced, mode)
+    assert auto.split(":")[-1] in native.kernels_label or auto.startswith("torch:"), native.kernels_label
 
 
 @pytest.mark.parametrize("bf16_path", ["torch:widen", "f32"])
