@@ -100,7 +100,7 @@ def _censored(row: dict[str, Any], best: dict[str, Any], other: dict[str, Any]) 
     text = row["text"]
     n = len([v for v in best["values"] if v is not None])
     why = (f"{best['open_above']} of the best config's {n} runs met the target at the highest rate tried, "
-           f"{max(v for v in best['values'] if v is not None):.4g}: beyond what this workload can show")
+           f"{max(v for v in best['values'] if v is not None):.4g}: beyond what the search can show")
     if best["open_above"] and other["open_above"]:
         return {"verdict": NO_GAIN, "lower_bound": None,
                 "text": f"over {other['baseline']}: not comparable ({why}, and so did {other['open_above']} of "

@@ -36,6 +36,7 @@ from tuner import capacity as cap
 from tuner.metrics import trial_metrics
 from tuner.slo import SloResult, SloSpec, evaluate
 from tuner.watch import SloWatch
+from workloads.transform import cycle
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,16 @@ MIN_REQUESTS = 8
 #: trial's overhead on a slow config (1.0-1.9 s of 2 s here).
 WARM_UP_REQUESTS = 1
 WARM_UP_NEW_TOKENS = 4
-#: The shortest arrival span a capacity probe replays: faster than this the prefix is one burst, and a
-#: config that absorbs it has a capacity beyond what the workload can show.
-MIN_SPAN_S = 0.25
+#: The shortest arrival span of a capacity probe of the whole workload, in seconds (of a prefix: that share
+#: of it). Where a probe's rate brings the requests in faster, it replays them again
+#: (``workloads.transform.cycle``: copies one period later) until they span this long, so that a probe
+#: loads the engine steadily instead of sending one burst a fast config absorbs whole (with 48 requests
+#: and no cycling, every config on an AVX512_BF16 CPU met a 1 s / 100 ms SLO at the search's ceiling).
+#: MLPerf's loadgen repeats its sample set to a minimum duration the same way.
+MIN_PROBE_S = 2.0
+#: The most requests one probe replays, copies included: the highest rate a capacity search tries is this
+#: many arriving over ``MIN_PROBE_S`` (about 1000 req/s on the whole workload).
+MAX_PROBE_REQUESTS = 2048
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,7 @@ class Replay:
     rate_scale: float
     rate_rps: float | None
     n_requests: int
+    """Requests replayed, copies included (``workloads.transform.cycle``)."""
     result: RunResult
     slo: SloResult
     summary: dict[str, Any]
@@ -102,6 +111,9 @@ class Replay:
     stopped: str | None = None
     """``"met"``/``"missed"`` when the replay was stopped once its verdict was certain."""
     reason: str = ""
+    prefix_n: int = 0
+    """The workload's requests it replays (its first ``prefix_n``; 0: ``n_requests``), whose arrivals give the
+    rate scale's requests/s."""
 
     @property
     def duration_s(self) -> float:
@@ -164,6 +176,7 @@ class Measurer:
         self.slo = slo
         self.settings = settings
         self._warm_key: tuple[Any, ...] | None = None
+        self._cycled: dict[str, Any] = {}  # the last cycled workload (probes of a search reuse it)
 
     @property
     def engine(self) -> Engine:
@@ -277,7 +290,7 @@ class Measurer:
             **{f"quality_{k}": v for k, v in (quality or {}).items()},
         }
         if capacity is not None:
-            base = self.base_rate(replay.n_requests)
+            base = self.base_rate(replay.prefix_n or replay.n_requests)
             extra["capacity_rps"] = capacity.rate_scale * base if base else None
         return trial_metrics(replay.summary, extra)
 
@@ -289,14 +302,15 @@ class Measurer:
         if target is None or base is None:
             raise ValueError("capacity needs per-request latency bounds and a workload with arrival times")
 
+        min_span_s = MIN_PROBE_S * m.fidelity
+
         def probe(scale: float) -> cap.Probe:
-            replay = self._replay(scale, m.n_requests, stop="both")
+            replay = self._replay(scale, m.n_requests, stop="both", min_span_s=min_span_s)
             m.replays.append(replay)
             return cap.Probe(scale, replay.slo.attainment, replay.met, replay.stopped is not None)
 
         s = self.settings
-        span_s = (m.n_requests - 1) / base
-        top = max(1.0, span_s / MIN_SPAN_S)
+        top = max(1.0, (MAX_PROBE_REQUESTS - 1) / min_span_s / base)
         start = (start_rps / base) if start_rps else (start_scale or s.rate_scale)
         incumbent = (incumbent_rps / base) if incumbent_rps else None
         floor = floor_rps / base if floor_rps else min(start, incumbent or start) * s.floor_ratio
@@ -307,25 +321,43 @@ class Measurer:
         m.capacity = found
         m.stopped_early, m.reason = found.stopped_early, found.reason
         if not found.bounded and found.lo is not None and found.lo >= top:
-            m.reason = (f"met the target even with its {m.n_requests} requests arriving within {MIN_SPAN_S:g} s: the "
-                        "capacity is beyond what this workload can show (a longer workload or a tighter SLO would)")
+            m.reason = (f"met the target at {top * base:.4g} req/s, the highest rate a probe replays "
+                        f"({MAX_PROBE_REQUESTS} requests over {min_span_s:.3g} s): the capacity is beyond what "
+                        "the search can show (a tighter SLO would)")
         met = [r for r in m.replays if r.met]
         m.best = max(met, key=lambda r: r.rate_scale) if met else min(m.replays, key=lambda r: r.rate_scale)
 
-    def _replay(self, rate_scale: float, n: int, stop: str | None = None) -> Replay:
-        """One replay of the first ``n`` requests at ``rate_scale``; ``stop``: None, ``"missed"`` (stop once
-        the target is out of reach) or ``"both"`` (also once it is certainly reached)."""
+    def replayed(self, rate_scale: float, n: int, min_span_s: float = 0.0) -> Any:
+        """The workload a replay of the first ``n`` requests at ``rate_scale`` runs: those requests, cycled
+        (``workloads.transform.cycle``) until their arrivals span ``min_span_s`` at that rate (at most
+        :data:`MAX_PROBE_REQUESTS` requests)."""
+        base = self.base_rate(n) if self.settings.mode == "realtime" else None
+        total = n
+        if base and min_span_s > 0:
+            total = min(MAX_PROBE_REQUESTS, max(n, math.ceil(min_span_s * rate_scale * base) + 1))
+        key = (n, total)
+        if self._cycled.get("key") != key:
+            prefix = self.workload.with_requests(list(self.workload.requests)[:n]) if total > n else self.workload
+            self._cycled = {"key": key, "workload": cycle(prefix, total) if total > n else self.workload}
+        return self._cycled["workload"]
+
+    def _replay(self, rate_scale: float, n: int, stop: str | None = None, min_span_s: float = 0.0) -> Replay:
+        """One replay of the first ``n`` requests at ``rate_scale`` (cycled to span ``min_span_s``:
+        :meth:`replayed`); ``stop``: None, ``"missed"`` (stop once the target is out of reach) or ``"both"``
+        (also once it is certainly reached)."""
         s = self.settings
+        workload = self.replayed(rate_scale, n, min_span_s)
+        total = max(n, len(workload.requests)) if workload is not self.workload else n
         watch: Callable[[Any], bool] | None = None
         sw = None
         if stop is not None and s.mode == "realtime":
-            requests = list(self.workload.requests)[:n]
+            requests = list(workload.requests)[:total]
             sw = SloWatch({r.request_id: r.max_new_tokens for r in requests}, self.slo, stop_when_met=stop == "both")
             if sw.enabled:
                 watch = sw
         # A replay the watch stops returns what it measured; the runner aborts the rest, so the
         # backend is idle for the next replay.
-        result = run_workload(self.backend, self.workload, mode=s.mode, rate_scale=rate_scale, max_requests=n,
+        result = run_workload(self.backend, workload, mode=s.mode, rate_scale=rate_scale, max_requests=total,
                               on_progress=watch)
         summary = result.summary()
         slo_result = evaluate(result.requests, summary, result.duration_s, self.slo, s.constraints)
@@ -333,8 +365,8 @@ class Measurer:
         met = slo_result.attainment >= target_share if target_share is not None else True
         base = self.base_rate(n) if s.mode == "realtime" else None
         decision = sw.decision if sw is not None else None
-        return Replay(rate_scale, rate_scale * base if base else None, n, result, slo_result, summary, met,
-                      decision, sw.reason if sw is not None else "")
+        return Replay(rate_scale, rate_scale * base if base else None, total, result, slo_result, summary, met,
+                      decision, sw.reason if sw is not None else "", prefix_n=n)
 
 
 def warm_up_workload(workload: Any, n_requests: int, new_tokens: int = WARM_UP_NEW_TOKENS) -> Any:

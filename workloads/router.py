@@ -177,13 +177,17 @@ class RouterTrace:
         lo, hi = self.offsets[i], self.offsets[i + 1]
         return self.expert_ids[lo:hi], self.gate_weights[lo:hi]
 
-    def subset(self, request_ids: Sequence[str], max_tokens: Mapping[str, int] | None = None) -> RouterTrace:
-        """A trace of these requests in this order; ``max_tokens`` cuts a request's tokens short."""
+    def subset(self, request_ids: Sequence[str], max_tokens: Mapping[str, int] | None = None, *,
+               as_ids: Sequence[str] | None = None) -> RouterTrace:
+        """A trace of these requests in this order; ``max_tokens`` cuts a request's tokens short.
+        ``as_ids`` names the entries of the new trace (then ``request_ids`` may repeat: copies)."""
         missing = [rid for rid in request_ids if rid not in self._index]
         if missing:
             raise KeyError(f"request {missing[0]!r} is not in the router trace")
+        if as_ids is not None and len(as_ids) != len(request_ids):
+            raise ValueError(f"as_ids: {len(as_ids)} ids for {len(request_ids)} requests")
         max_tokens = max_tokens or {}
-        if list(request_ids) == self.request_ids and not max_tokens:
+        if list(request_ids) == self.request_ids and not max_tokens and as_ids is None:
             return self
         slices, lengths = [], []
         for rid in request_ids:
@@ -195,8 +199,8 @@ class RouterTrace:
             lengths.append(hi - lo)
         take = np.concatenate(slices) if slices else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        return RouterTrace(self.model_identity, list(request_ids), offsets, self.expert_ids[take],
-                           self.gate_weights[take])
+        return RouterTrace(self.model_identity, list(as_ids if as_ids is not None else request_ids), offsets,
+                           self.expert_ids[take], self.gate_weights[take])
 
     # ------------------------------------------------------------------------------- model check
 

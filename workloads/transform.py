@@ -1,4 +1,4 @@
-"""Transformations of a workload: rate scaling, time windows, sampling, length clipping.
+"""Transformations of a workload: rate scaling, time windows, sampling, length clipping, cycling.
 
 Each returns a new :class:`Workload`, records itself in ``metadata["transforms"]``, and keeps the
 router trace consistent: it keeps the trace entries of the requests that remain, drops the entry
@@ -33,6 +33,42 @@ def rate_scale(workload: Workload, factor: float) -> Workload:
         raise WorkloadError(f"rate-scale: {factor} is not a finite number > 0")
     requests = [dataclasses.replace(r, arrival_s=round(r.arrival_s / factor, 6)) for r in workload.requests]
     return workload.with_requests(requests, metadata=_noted(workload, {"rate_scale": factor}))
+
+
+def cycle(workload: Workload, n_requests: int) -> Workload:
+    """The workload's requests replayed again until there are ``n_requests`` (MLPerf's loadgen repeats its
+    sample set the same way to reach a minimum duration).
+
+    Copy ``k`` (1, 2, ...) of request ``id`` is ``id~cyclek``, arriving ``k`` periods later; a period is the
+    arrival span plus one mean gap, so the copies keep the workload's rate and burstiness. A copy keeps
+    the prompt (its ids, or its length and synthetic tokens), output length and router-trace entry of
+    its original; its prefix blocks are renamed, so that it shares no cached prefix with the original.
+    """
+    requests = list(workload.requests)
+    if n_requests < 1:
+        raise WorkloadError(f"cycle: {n_requests} is less than 1")
+    if not requests:
+        raise WorkloadError(f"cycle: workload {workload.name!r} has no requests")
+    if n_requests <= len(requests):
+        return workload.with_requests(requests[:n_requests])
+    n = len(requests)
+    first, last = min(r.arrival_s for r in requests), max(r.arrival_s for r in requests)
+    period_s = (last - first) * n / (n - 1) if n > 1 else 0.0
+    hash_span = 1 + max((max(r.hash_ids) for r in requests if r.hash_ids), default=-1)
+    out = list(requests)
+    for i in range(n, n_requests):
+        k, r = divmod(i, n)
+        orig = requests[r]
+        out.append(dataclasses.replace(
+            orig, request_id=f"{orig.request_id}~cycle{k}", arrival_s=round(orig.arrival_s + k * period_s, 6),
+            hash_ids=tuple(h + k * hash_span for h in orig.hash_ids) if orig.hash_ids else orig.hash_ids))
+    trace = workload.router_trace
+    if trace is not None:
+        kept = [(requests[i % n].request_id, r.request_id) for i, r in enumerate(out)
+                if requests[i % n].request_id in trace]
+        trace = trace.subset([a for a, _ in kept], as_ids=[b for _, b in kept])
+    step = {"cycle": n_requests}
+    return Workload(workload.name, out, _noted(workload, step), trace)
 
 
 def parse_window(text: str) -> tuple[float, float]:

@@ -59,3 +59,37 @@ def test_hotness_is_counted_once_per_study_on_the_start_config_and_survives_reco
     assert tiny_engine.hotness is profile  # the static trial plans from it instead of routing its own warm-up
     tiny_engine.reconfigure(EngineConfig())
     tiny_engine.hotness = None
+
+
+def test_a_probe_faster_than_the_workload_replays_it_cycled_to_a_minimum_span(tiny_engine, tiny_workload, monkeypatch):
+    """Where the workload's requests arrive within less than MIN_PROBE_S at a probe's rate, the probe replays
+    copies of them (one period later) until they span that long, and its row counts them; the search's
+    highest rate is MAX_PROBE_REQUESTS arriving over MIN_PROBE_S, and a config that meets the target there
+    is reported as beyond what the search can show."""
+    import math
+
+    import pytest
+
+    from engine.config import EngineConfig
+    from tuner import measure
+    from tuner.measure import Measurer, MeasureSettings
+    from tuner.slo import parse_slo
+
+    monkeypatch.setattr(measure, "MIN_PROBE_S", 0.5)
+    monkeypatch.setattr(measure, "MAX_PROBE_REQUESTS", 40)
+    tiny_engine.reconfigure(EngineConfig())
+    slo = parse_slo(["ttft_p99_ms=600000", "tpot_p99_ms=600000"])  # met at any rate: the search climbs to the top
+    m = Measurer(tiny_engine, tiny_workload, slo, MeasureSettings(("capacity_rps",), "realtime"))
+    n = len(tiny_workload.requests)
+    got = m.measure(1.0)
+    assert not got.capacity.bounded and got.values[0] == pytest.approx(39 / 0.5)
+    assert "the highest rate a probe replays (40 requests over 0.5 s)" in got.reason
+    rows = [r.row() for r in got.replays]
+    for r, row in zip(got.replays, rows, strict=True):
+        cycled = (n - 1) / r.rate_rps < 0.5  # the workload's own arrivals span less than the minimum
+        assert row["n_requests"] == (min(40, math.ceil(0.5 * r.rate_rps) + 1) if cycled else n), row
+        assert r.prefix_n == n
+        ids = {q.request_id for q in r.result.requests}
+        assert any("~cycle" in i for i in ids) == (cycled and len(ids) > n)
+    assert rows[-1]["n_requests"] == 40 and max(len(r.result.requests) for r in got.replays) > n
+    assert got.replays[-1].met

@@ -7,7 +7,15 @@ import pytest
 
 from workloads.schema import Request, Workload, WorkloadError
 from workloads.synth import synth_router_trace
-from workloads.transform import apply_transforms, clip_lengths, parse_window, rate_scale, sample, window
+from workloads.transform import (
+    apply_transforms,
+    clip_lengths,
+    cycle,
+    parse_window,
+    rate_scale,
+    sample,
+    window,
+)
 
 
 def _workload() -> Workload:
@@ -62,3 +70,31 @@ def test_apply_order():
     w = apply_transforms(_workload(), window_s=(2, 8), sample_n=3, seed=0, rate_scale_factor=0.5)
     assert len(w) == 3 and all(r.arrival_s <= 12 for r in w)
     assert [list(step) for step in w.metadata["transforms"]] == [["window_s"], ["sample", "seed"], ["rate_scale"]]
+
+
+def test_cycle_repeats_requests_at_the_workloads_rate_with_their_routing():
+    original = _workload()  # 10 requests, one a second
+    hashed = original.with_requests([Request(r.request_id, r.arrival_s, r.prompt_len, r.max_new_tokens,
+                                             r.prompt_ids, hash_ids=(i % 3 + 7 * (i == 3),) if i % 2 else None)
+                                     for i, r in enumerate(original.requests)])
+    w = cycle(hashed, 25)
+    assert len(w) == 25 and w.metadata["transforms"][-1] == {"cycle": 25}
+    ids = [r.request_id for r in w.requests]
+    assert ids[:10] == [r.request_id for r in original.requests] and ids[10] == "r0~cycle1" and ids[24] == "r4~cycle2"
+    gaps = np.diff(w.arrivals_s)
+    np.testing.assert_allclose(gaps, 1.0, atol=1e-6)  # the copies continue the arrivals at the same rate
+    copy, orig = w.request("r3~cycle2"), w.request("r3")
+    assert (copy.prompt_len, copy.max_new_tokens, copy.prompt_ids) == (orig.prompt_len, orig.max_new_tokens,
+                                                                       orig.prompt_ids)
+    assert orig.hash_ids == (7,) and copy.hash_ids == (7 + 16,)  # renamed blocks: no prefix shared with r3
+    assert not set(copy.hash_ids) & {h for r in w.requests[:10] if r.hash_ids for h in r.hash_ids}
+    assert w.router_trace.request_ids == ids  # every copy has its original's routing
+    for rid in ("r3~cycle2", "r9~cycle1"):
+        a, b = w.router_trace.request(rid), original.router_trace.request(rid.split("~")[0])
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+    assert [r.request_id for r in cycle(original, 4).requests] == ["r0", "r1", "r2", "r3"]  # fewer: a prefix
+    burst = original.with_requests([Request(f"b{i}", 1.0, 4, 2) for i in range(3)])  # all at once: copies too
+    assert list(cycle(burst, 7).arrivals_s) == [1.0] * 7
+    with pytest.raises(WorkloadError, match="cycle: 0 is less than 1"):
+        cycle(original, 0)
