@@ -58,6 +58,7 @@ from db.models import (
 from db.session import DatabaseError, make_readonly_engine, mask_url, resolve_url
 from engine.metrics import column_metrics
 from tuner.metrics import OBJECTIVES
+from workloads.transform import COPY_MARK
 
 log = logging.getLogger(__name__)
 
@@ -545,8 +546,14 @@ def trials_by_number(url: str, study_id: int, numbers: tuple[int, ...]) -> pd.Da
     return df
 
 
+def _own_requests(originals_only: bool) -> list[ColumnElement[bool]]:
+    """Where-clauses for the workload's own requests of a replay, not the copies a capacity probe added to
+    reach its minimum span (``workloads.transform.cycle``); none when ``originals_only`` is False."""
+    return [RequestRow.request_id.not_like(f"%{COPY_MARK}%")] if originals_only else []
+
+
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def request_counts(url: str, trial_id: int) -> dict[str, Any]:
+def request_counts(url: str, trial_id: int, originals_only: bool = False) -> dict[str, Any]:
     """Requests of a trial: total, met and missed the SLO, unknown, and the last finish time."""
     stmt = select(
         func.count().label("total"),
@@ -554,7 +561,7 @@ def request_counts(url: str, trial_id: int) -> dict[str, Any]:
         func.sum(case((RequestRow.met_slo.is_(False), 1), else_=0)).label("missed"),
         func.max(func.coalesce(RequestRow.finish_s, RequestRow.arrival_s)).label("end_s"),
         func.max(RequestRow.arrival_s).label("last_arrival_s"),
-    ).where(RequestRow.trial_id == trial_id)
+    ).where(RequestRow.trial_id == trial_id, *_own_requests(originals_only))
     row = _frame(url, stmt).iloc[0]
     total = int(row["total"] or 0)
     met, missed = int(row["met"] or 0), int(row["missed"] or 0)
@@ -614,10 +621,10 @@ def requests_sample(url: str, trial_id: int, max_points: int = MAX_POINTS) -> pd
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def requests_over_time(url: str, trial_id: int, buckets: int = 60) -> pd.DataFrame:
+def requests_over_time(url: str, trial_id: int, buckets: int = 60, originals_only: bool = False) -> pd.DataFrame:
     """Requests per arrival-time bucket, met and missed (GROUP BY in SQL): ``t_s`` (bucket
-    start), ``width_s``, ``requests``, ``met``, ``missed``."""
-    counts = request_counts(url, trial_id)
+    start), ``width_s``, ``requests``, ``met``, ``missed``; ``originals_only``: the workload's own requests."""
+    counts = request_counts(url, trial_id, originals_only)
     if counts["total"] == 0:
         return pd.DataFrame(columns=["t_s", "width_s", "requests", "met", "missed"])
     buckets = min(buckets, max(5, counts["total"] // 3))  # a few requests per bucket at least
@@ -627,7 +634,7 @@ def requests_over_time(url: str, trial_id: int, buckets: int = 60) -> pd.DataFra
         select(bucket, func.count().label("requests"),
                func.sum(case((RequestRow.met_slo.is_(True), 1), else_=0)).label("met"),
                func.sum(case((RequestRow.met_slo.is_(False), 1), else_=0)).label("missed"))
-        .where(RequestRow.trial_id == trial_id)
+        .where(RequestRow.trial_id == trial_id, *_own_requests(originals_only))
         .group_by(bucket)
         .order_by(bucket)
     )
@@ -719,10 +726,11 @@ def workloads_overview(url: str) -> pd.DataFrame:
 
 @st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
 def workload_replay_trial(url: str, workload_id: int) -> int | None:
-    """A complete trial that replayed the workload, the one with the most requests (its
-    requests stand for the workload when the workload file is not at hand)."""
+    """A complete trial that replayed the workload, the one with the most of its own requests (they stand
+    for the workload when the workload file is not at hand; copies a probe added do not count)."""
     n_requests = (
-        select(RequestRow.trial_id, func.count().label("n")).group_by(RequestRow.trial_id).subquery()
+        select(RequestRow.trial_id, func.count().label("n")).where(*_own_requests(True))
+        .group_by(RequestRow.trial_id).subquery()
     )
     stmt = (
         select(Trial.id)
@@ -737,20 +745,22 @@ def workload_replay_trial(url: str, workload_id: int) -> int | None:
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
-def length_histogram(url: str, trial_id: int, column: str, bins: int = 40) -> pd.DataFrame:
+def length_histogram(url: str, trial_id: int, column: str, bins: int = 40, originals_only: bool = False
+                     ) -> pd.DataFrame:
     """Histogram of ``prompt_tokens`` or ``output_tokens`` over a trial's requests (GROUP BY in
-    SQL): ``lo`` (bin start, tokens), ``width`` and ``requests``."""
+    SQL): ``lo`` (bin start, tokens), ``width`` and ``requests``; ``originals_only``: the workload's own."""
     col = {"prompt_tokens": RequestRow.prompt_tokens, "output_tokens": RequestRow.output_tokens}.get(column)
     if col is None:
         raise ValueError(f"column={column!r}: expected prompt_tokens or output_tokens")
+    own = _own_requests(originals_only)
     lo, hi = _frame(url, select(func.min(col).label("lo"), func.max(col).label("hi"))
-                    .where(RequestRow.trial_id == trial_id)).iloc[0]
+                    .where(RequestRow.trial_id == trial_id, *own)).iloc[0]
     if lo is None or _is_nan(lo):
         return pd.DataFrame(columns=["lo", "width", "requests"])
     lo, hi = int(lo), int(hi)
     width = max(1, math.ceil((hi - lo + 1) / bins))
     bucket = _floor(url, (col - lo) / float(width)).label("bucket")
-    stmt = (select(bucket, func.count().label("requests")).where(RequestRow.trial_id == trial_id)
+    stmt = (select(bucket, func.count().label("requests")).where(RequestRow.trial_id == trial_id, *own)
             .group_by(bucket).order_by(bucket))
     df = _frame(url, stmt)
     df["lo"] = lo + df.pop("bucket").astype(int) * width

@@ -20,6 +20,14 @@ from workloads.schema import Request, Workload, n_blocks
 
 log = logging.getLogger(__name__)
 
+#: What :func:`cycle` appends to a copy's request id (``<id>~cycle<k>``).
+COPY_MARK = "~cycle"
+
+
+def is_copy(request_id: str) -> bool:
+    """Whether ``request_id`` names a copy :func:`cycle` made (not one of the workload's own requests)."""
+    return COPY_MARK in request_id
+
 
 def _noted(workload: Workload, step: dict[str, Any]) -> dict[str, Any]:
     metadata = dict(workload.metadata)
@@ -60,7 +68,7 @@ def cycle(workload: Workload, n_requests: int) -> Workload:
         k, r = divmod(i, n)
         orig = requests[r]
         out.append(dataclasses.replace(
-            orig, request_id=f"{orig.request_id}~cycle{k}", arrival_s=round(orig.arrival_s + k * period_s, 6),
+            orig, request_id=f"{orig.request_id}{COPY_MARK}{k}", arrival_s=round(orig.arrival_s + k * period_s, 6),
             hash_ids=tuple(h + k * hash_span for h in orig.hash_ids) if orig.hash_ids else orig.hash_ids))
     trace = workload.router_trace
     if trace is not None:

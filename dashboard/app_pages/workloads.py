@@ -48,15 +48,16 @@ if "message" not in file:
     right.plotly_chart(charts.length_histogram(file["lengths"]["output_tokens"], "output_tokens"), key="output")
     st.caption(f"From the workload file `{w['source']}`.")
 elif replay is not None:
-    st.info(f"{file['message']} Showing the requests of one replay stored in the database instead.")
-    buckets = data.requests_over_time(url, replay)
+    st.info(f"{file['message']} Showing the requests of one replay stored in the database instead "
+            "(the workload's own, not the copies a capacity probe replayed to reach its minimum span).")
+    buckets = data.requests_over_time(url, replay, originals_only=True)
     arrivals = pd.DataFrame({"t_s": buckets["t_s"], "requests": buckets["requests"],
                              "rate_per_s": buckets["requests"] / buckets["width_s"]})
     left, mid, right = st.columns(3)
     left.plotly_chart(charts.arrival_rate(arrivals), key="arrivals")
-    mid.plotly_chart(charts.length_histogram(data.length_histogram(url, replay, "prompt_tokens"), "prompt_tokens"),
+    mid.plotly_chart(charts.length_histogram(data.length_histogram(url, replay, "prompt_tokens", originals_only=True), "prompt_tokens"),
                      key="prompt")
-    right.plotly_chart(charts.length_histogram(data.length_histogram(url, replay, "output_tokens"), "output_tokens"),
+    right.plotly_chart(charts.length_histogram(data.length_histogram(url, replay, "output_tokens", originals_only=True), "output_tokens"),
                        key="output")
     st.caption("Arrival times as replayed: an offline replay sends every request at t = 0.")
 else:

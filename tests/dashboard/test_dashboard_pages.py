@@ -243,18 +243,28 @@ def test_trial_page_shows_the_best_trial(seed, page, kit):
     else:  # a loaded machine: even the best trial met the target at no rate it probed, so no knee
         assert knees == []
     ttft = charts["TTFT CDF"]["data"][0]
-    assert ttft["x"] == pytest.approx(sorted(r.ttft_ms for r in requests if r.ttft_ms is not None))
+    values = sorted(r.ttft_ms for r in requests if r.ttft_ms is not None)
+    step = math.ceil(len(values) / data.MAX_POINTS)  # a replay of more requests is drawn at evenly spaced ranks
+    assert ttft["x"] == pytest.approx([v for i, v in enumerate(values) if i % step == 0 or i == len(values) - 1])
     assert ttft["y"][-1] == 1.0
     scatter = charts["Requests over time"]["data"]
-    assert sum(len(tr["x"]) for tr in scatter) == len(requests)
+    by_arrival = sorted(requests, key=lambda r: (r.arrival_s, r.id))
+    step = math.ceil(len(by_arrival) / data.MAX_POINTS)
+    drawn = [r for i, r in enumerate(by_arrival) if i % step == 0 or i == len(by_arrival) - 1]
+    assert sum(len(tr["x"]) for tr in scatter) == len(drawn)
     met = next((tr for tr in scatter if tr["name"] == "met SLO"), {"x": []})
-    assert len(met["x"]) == sum(bool(r.met_slo) for r in requests)
+    assert len(met["x"]) == sum(bool(r.met_slo) for r in drawn)
     buckets = charts["Arrivals per time bucket, met and missed"]["data"]
     assert sum(sum(tr["y"]) for tr in buckets) == len(requests)
 
     steps = _rows(seed.url, StepRow, trial.id, [StepRow.step])
     timeline = charts["Step timeline"]["data"][0]
-    assert len(timeline["x"]) == len(steps) and timeline["y"] == [s.batch_seqs for s in steps]
+    if len(steps) <= data.MAX_POINTS:
+        assert len(timeline["x"]) == len(steps) and timeline["y"] == [s.batch_seqs for s in steps]
+    else:  # bucketed in time: at most MAX_POINTS buckets of mean batch sizes
+        seqs = [s.batch_seqs for s in steps]
+        assert len(timeline["x"]) <= data.MAX_POINTS + 1 and timeline["x"] == sorted(timeline["x"])
+        assert min(seqs) <= min(timeline["y"]) and max(timeline["y"]) <= max(seqs)
     experts = _rows(seed.url, ExpertStatRow, trial.id, [ExpertStatRow.layer, ExpertStatRow.expert])
     heat = charts["Tokens routed per layer and expert"]["data"][0]
     assert sum(v for row in heat["z"] for v in row) == sum(e.tokens for e in experts)
@@ -340,8 +350,13 @@ def test_workloads_page_from_the_workload_file(seed, page, kit):
 
 
 def test_workloads_page_without_the_file_uses_a_stored_replay(altered, page, kit):
+    """The workload's 16 requests, from the stored replay, without the copies its probes added (the seed
+    replays 16 requests at 24 req/s and up: under 2 s, so every probe is cycled)."""
     at = page("workloads", altered.url, workload=_workload_label(altered.url, altered.study))
     assert "is not readable here" in kit.texts(at)
+    replay = data.workload_replay_trial(altered.url, _study(altered.url, altered.study)["workload_id"])
+    stored = _rows(altered.url, RequestRow, replay, [RequestRow.id])
+    assert len(stored) > 16 and sum("~cycle" in r.request_id for r in stored) == len(stored) - 16
     charts = kit.charts(at)
     assert sum(charts["Arrival rate over time"]["data"][0]["customdata"]) == 16
     assert sum(charts["Prompt length distribution"]["data"][0]["y"]) == 16

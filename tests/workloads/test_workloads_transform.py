@@ -11,6 +11,7 @@ from workloads.transform import (
     apply_transforms,
     clip_lengths,
     cycle,
+    is_copy,
     parse_window,
     rate_scale,
     sample,
@@ -88,6 +89,7 @@ def test_cycle_repeats_requests_at_the_workloads_rate_with_their_routing():
                                                                        orig.prompt_ids)
     assert orig.hash_ids == (7,) and copy.hash_ids == (7 + 16,)  # renamed blocks: no prefix shared with r3
     assert not set(copy.hash_ids) & {h for r in w.requests[:10] if r.hash_ids for h in r.hash_ids}
+    assert [is_copy(i) for i in ids] == [False] * 10 + [True] * 15
     assert w.router_trace.request_ids == ids  # every copy has its original's routing
     for rid in ("r3~cycle2", "r9~cycle1"):
         a, b = w.router_trace.request(rid), original.router_trace.request(rid.split("~")[0])
