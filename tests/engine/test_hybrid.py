@@ -162,3 +162,17 @@ def test_inert_knobs_without_gpu():
     inert = inert_knobs(has_gpu=False)
     assert "execution.expert_sm_share" in inert and "execution.decode_attention" in inert
     assert inert_knobs(has_gpu=True) == {}
+
+
+def test_a_cpu_fast_tier_version_in_the_hosts_dtype_is_the_host_tensors():
+    """On the CPU the fast tier is the host's memory: a version in the stored dtype reads the host's weights
+    (no copy at reconfigure); another dtype or an integer precision is a new tensor."""
+    from engine.moe.experts import make_version
+
+    w13, w2 = torch.randn(16, 8).bfloat16(), torch.randn(8, 8).bfloat16()
+    cpu = torch.device("cpu")
+    same = make_version(w13, w2, "bf16", cpu, 32)
+    assert same.w13.data_ptr() == w13.data_ptr() and same.w2.data_ptr() == w2.data_ptr()
+    wide = make_version(w13, w2, "fp32", cpu, 32)
+    assert wide.w13.dtype == torch.float32 and torch.equal(wide.w13, w13.float())
+    assert wide.nbytes == 2 * same.nbytes
