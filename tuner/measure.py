@@ -327,27 +327,27 @@ class Measurer:
         met = [r for r in m.replays if r.met]
         m.best = max(met, key=lambda r: r.rate_scale) if met else min(m.replays, key=lambda r: r.rate_scale)
 
-    def replayed(self, rate_scale: float, n: int, min_span_s: float = 0.0) -> Any:
-        """The workload a replay of the first ``n`` requests at ``rate_scale`` runs: those requests, cycled
-        (``workloads.transform.cycle``) until their arrivals span ``min_span_s`` at that rate (at most
-        :data:`MAX_PROBE_REQUESTS` requests)."""
+    def _replayed(self, rate_scale: float, n: int, min_span_s: float = 0.0) -> tuple[Any, int]:
+        """The workload a replay of the first ``n`` requests at ``rate_scale`` runs, and how many of its
+        requests: those ``n``, cycled (``workloads.transform.cycle``) until their arrivals span ``min_span_s``
+        at that rate (at most :data:`MAX_PROBE_REQUESTS` requests)."""
         base = self.base_rate(n) if self.settings.mode == "realtime" else None
-        total = n
-        if base and min_span_s > 0:
-            total = min(MAX_PROBE_REQUESTS, max(n, math.ceil(min_span_s * rate_scale * base) + 1))
-        key = (n, total)
-        if self._cycled.get("key") != key:
-            prefix = self.workload.with_requests(list(self.workload.requests)[:n]) if total > n else self.workload
-            self._cycled = {"key": key, "workload": cycle(prefix, total) if total > n else self.workload}
-        return self._cycled["workload"]
+        if not base or min_span_s <= 0:
+            return self.workload, n
+        total = max(n, min(MAX_PROBE_REQUESTS, math.ceil(min_span_s * rate_scale * base) + 1))  # never fewer than n
+        if total == n:
+            return self.workload, n
+        if self._cycled.get("key") != (n, total):
+            prefix = self.workload.with_requests(list(self.workload.requests)[:n])
+            self._cycled = {"key": (n, total), "workload": cycle(prefix, total)}
+        return self._cycled["workload"], total
 
     def _replay(self, rate_scale: float, n: int, stop: str | None = None, min_span_s: float = 0.0) -> Replay:
         """One replay of the first ``n`` requests at ``rate_scale`` (cycled to span ``min_span_s``:
-        :meth:`replayed`); ``stop``: None, ``"missed"`` (stop once the target is out of reach) or ``"both"``
+        :meth:`_replayed`); ``stop``: None, ``"missed"`` (stop once the target is out of reach) or ``"both"``
         (also once it is certainly reached)."""
         s = self.settings
-        workload = self.replayed(rate_scale, n, min_span_s)
-        total = max(n, len(workload.requests)) if workload is not self.workload else n
+        workload, total = self._replayed(rate_scale, n, min_span_s)
         watch: Callable[[Any], bool] | None = None
         sw = None
         if stop is not None and s.mode == "realtime":

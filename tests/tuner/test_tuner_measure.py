@@ -93,3 +93,5 @@ def test_a_probe_faster_than_the_workload_replays_it_cycled_to_a_minimum_span(ti
         assert any("~cycle" in i for i in ids) == (cycled and len(ids) > n)
     assert rows[-1]["n_requests"] == 40 and max(len(r.result.requests) for r in got.replays) > n
     assert got.replays[-1].met
+    monkeypatch.setattr(measure, "MAX_PROBE_REQUESTS", n - 2)  # a workload longer than the cap is never cut
+    assert m._replayed(1000.0, n, 0.5) == (tiny_workload, n)
