@@ -4,7 +4,7 @@
   has ``repeats`` values (its own search included): D H D' L D'' ... The spread of those values is the
   noise of the objective on this machine now; the search uses it as its early-stop margin.
 - :func:`confirm`: the top ``top`` searched configs and every baseline re-measured ``repeats`` times,
-  interleaved (A B C A B C ...), in one session whose order is recorded; ``tuner.findings.confirmation``
+  interleaved, every other round reversed (A B C C B A ...: ``tuner.stats.round_order``), in one session whose order is recorded; ``tuner.findings.confirmation``
   summarises it (medians, intervals, gains paired by round).
 
 Both measure on the whole workload, each search warm-started from the config's own value.
@@ -30,6 +30,7 @@ from tuner.measure import Measurer
 from tuner.metrics import OBJECTIVES
 from tuner.objective import ATTR_BASELINE
 from tuner.record import Recorder
+from tuner.stats import round_order
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def confirm(measurer: Measurer, db: Engine, study_id: int, *, top: int, repeats:
     # A config whose search met the target at no rate is re-run at the lowest rate that search tried.
     floor = {t.id: (t.summary or {}).get("capacity_hi_rps") for t in picks if _value(t, objective) == 0}
     for r in range(repeats):
-        for t in picks:
+        for t in round_order(picks, r):
             config = EngineConfig.from_dict(t.config, source=f"trial {t.number}")
             try:
                 measurer.apply(config)

@@ -2,7 +2,8 @@
 
 A figure measured once on a shared machine is one draw of a noisy process. The tuner therefore
 measures the default config several times per study (the *noise*), re-runs its top configs and every
-baseline interleaved (A B C A B C ..., so drift hits them alike) and reports each gain as a median with
+baseline interleaved, every other round reversed (A B C C B A A B C ...: :func:`round_order`, so that a
+steady drift hits them alike) and reports each gain as a median with
 an interval:
 
 - the gain's median is the ratio of the two configs' medians;
@@ -27,7 +28,9 @@ import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 BOOTSTRAP_MIN = 5
 BOOTSTRAP_SAMPLES = 2000
@@ -50,6 +53,13 @@ class Interval:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def round_order(items: Sequence[T], round_no: int) -> list[T]:
+    """The order of interleaved round ``round_no`` (from 0): as given in even rounds, reversed in odd ones
+    (A B C, C B A, A B C, ...). Over two rounds every config then sits at the same mean position, so a
+    drift linear in time shifts them alike; repeating A B C would put A earliest in every round."""
+    return list(items) if round_no % 2 == 0 else list(items)[::-1]
 
 
 def interval(values: Sequence[float], *, seed: int = 0, confidence: float = CONFIDENCE,

@@ -2,7 +2,7 @@
 
 A study run with ``--backend sim`` ranks configs by what a profile's cost model predicts. Validating it
 re-runs its ``top`` best complete trials (distinct configs) live, ``repeats`` times each, interleaved
-(A B C A B C ...), with the measuring settings the study stored (``tuner.measure.MeasureSettings``: the
+(A B C C B A ...: ``tuner.stats.round_order``), with the measuring settings the study stored (``tuner.measure.MeasureSettings``: the
 same objective, mode, requests and capacity search), and stores each trial's predicted and measured
 figures (``mt_validations``, ``mt_validation_metrics``): the study's objectives, output tokens/s, p99 TTFT
 and p99 TPOT. The error summary is ``engine validate-sim``'s (:mod:`engine.sim.validate`): the signed
@@ -167,6 +167,7 @@ def run(p: Plan, *, repeats: int, say: Say = log.info) -> None:
     from tuner import capacity as cap
     from tuner.measure import Measurer, MeasureSettings
     from tuner.slo import parse_slo
+    from tuner.stats import round_order
     from workloads.schema import load_workload
 
     workload = load_workload(p.workload)
@@ -179,7 +180,7 @@ def run(p: Plan, *, repeats: int, say: Say = log.info) -> None:
     measurer.warm_up()
     objective = p.objectives[0]
     for r in range(repeats):
-        for pick in p.picks:
+        for pick in round_order(p.picks, r):
             config = EngineConfig.from_dict(pick.config, source=f"trial {pick.number}")
             label = f"trial {pick.number}" + (f" [{pick.baseline}]" if pick.baseline else "")
             try:

@@ -24,6 +24,7 @@ from tuner.stats import (
     gain_interval,
     interval,
     noise_of,
+    round_order,
     verdict,
     within_noise,
 )
@@ -154,6 +155,28 @@ def test_intervals_gains_and_verdicts():
     assert boot.method.startswith("bootstrap") and boot == gain_interval(a, b)
     assert boot.median == pytest.approx(2.05) and verdict(boot) == "gain"
     assert 1.7 < boot.lo <= boot.median <= boot.hi < 2.4
+
+
+def test_reversing_every_other_round_keeps_a_steady_drift_from_favouring_the_first_config():
+    """Two identical configs measured while the machine slows down steadily: in A B A B ... the first is
+    always measured earlier, so it looks faster in every round; A B B A ... cancels the drift pairwise."""
+    assert round_order(["a", "b", "c"], 0) == ["a", "b", "c"] and round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+
+    def measured(order_of) -> dict[str, list[float]]:
+        runs: dict[str, list[float]] = {"a": [], "b": []}
+        slot = 0
+        for r in range(6):
+            for name in order_of(["a", "b"], r):
+                runs[name].append(100.0 - 2.0 * slot)  # the same config, 2 % slower each run
+                slot += 1
+        return runs
+
+    same = measured(lambda items, r: list(items))
+    assert all(x > y for x, y in zip(same["a"], same["b"], strict=True))  # A ahead in every round
+    fair = measured(round_order)
+    assert sum(fair["a"]) == sum(fair["b"])
+    assert gain_interval(fair["a"], fair["b"]).median == pytest.approx(1.0, abs=0.02)
+    assert verdict(gain_interval(fair["a"], fair["b"])) == NO_GAIN
 
 
 def test_noise_and_whether_trials_differ_beyond_it():

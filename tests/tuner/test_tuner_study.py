@@ -84,7 +84,7 @@ def test_short_study_fills_every_table_and_exports(sqlite_url, tmp_path, capsys,
                             .order_by(MeasurementRow.seq)).all()
         order = [m.trial.number for m in confirm]
         k = len(set(order))
-        assert len(order) == 3 * k and order == order[:k] * 3  # A B C A B C A B C
+        assert len(order) == 3 * k and order == order[:k] + order[:k][::-1] + order[:k]  # A B C C B A A B C
         assert [m.repeat for m in confirm] == [r for r in range(3) for _ in range(k)]
     assert report["noise"]["n"] == 3 and report["noise"]["objective"] == "output_tokens_per_s"
     conf = report["confirmation"]
