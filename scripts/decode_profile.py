@@ -1,0 +1,66 @@
+"""Where a decode step's time goes: torch.profiler over a few decode steps of one batch, by op.
+
+    python scripts/decode_profile.py --model builtin:qwen3_moe-medium --batch 32 [--steps 10] [--threads 2]
+
+Loads the engine with its defaults (knobs as ``KEY=VALUE`` after the options, e.g.
+``hi_precision=int8``), warms it up with one short `engine bench` batch, prefills ``--batch``
+prompts of ``--prompt-len`` random tokens, then profiles ``--steps`` decode steps. Prints the step time,
+the decode rate, the kernel paths the engine used and the table of ops by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import kernels
+from engine.bench import bench_batch
+from engine.config import ConfigError, EngineConfig
+from engine.runtime import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin:qwen3_moe-medium")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=25, help="ops shown")
+    ap.add_argument("knobs", nargs="*", metavar="KEY=VALUE")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    knobs = {}
+    for kv in args.knobs:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            ap.error(f"knob {kv!r}: expected KEY=VALUE")
+        knobs[key] = value
+    try:
+        config = EngineConfig().replace(**knobs) if knobs else EngineConfig()
+    except ConfigError as e:
+        ap.error(str(e))
+    engine = Engine(args.model, config)
+    bench_batch(engine, args.batch, args.prompt_len, 4)  # warm-up: sizes the engine for this batch
+    g = torch.Generator().manual_seed(1)
+    for i in range(args.batch):
+        engine.add(f"p{i}", torch.randint(0, engine.spec.vocab_size, (args.prompt_len,), generator=g).tolist(),
+                   args.steps + 1)
+    while any(not s.decoding for s in engine.running) or engine.waiting:
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        n, t = 0, time.perf_counter()
+        while engine.has_work and n < args.steps:
+            engine.step()
+            n += 1
+        step_s = (time.perf_counter() - t) / max(1, n)
+    print(f"batch {args.batch}: {n} decode steps, {step_s * 1e3:.1f} ms a step, {args.batch / step_s:.1f} tok/s "
+          f"(profiled); kernels {kernels.dispatch_summary()}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
