@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,13 +148,34 @@ def _sqlite_listeners(engine: Engine, *, wal: bool, readonly: bool) -> None:
         cur.execute("PRAGMA foreign_keys=ON")
         if wal:
             # WAL lets the dashboard read while a tuner writes.
-            cur.execute("PRAGMA journal_mode=WAL")
+            _set_wal(cur, timeout_s=_SQLITE_BUSY_TIMEOUT_S)
             cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         conn.exec_driver_sql(begin)
+
+
+def _set_wal(cur: Any, *, timeout_s: float) -> None:
+    """Switch a SQLite file to WAL, retrying while another connection holds it.
+
+    Two workers that open a new file together both convert it, and one of them can get
+    "database is locked" at once: it holds a read lock and wants the write lock the other holds,
+    so SQLite refuses without calling the busy handler (the wait would deadlock). The conversion
+    is persistent and idempotent, so waiting for the other to finish and trying again is safe.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() + delay_s > deadline:
+                raise
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.1)
 
 
 def _build_engine(url: URL, *, readonly: bool, echo: bool) -> Engine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
@@ -157,3 +158,26 @@ def test_sqlite_writers_wait_for_each_other(sqlite_url):
 def _insert_model(engine, fingerprint: str) -> None:
     with session_scope(engine) as s:
         s.execute(insert(Model), [{**MODEL_ROW, "fingerprint": fingerprint}])
+
+
+def _open_at_barrier(url: str, barrier) -> None:
+    barrier.wait(timeout=30)
+    make_engine(url).dispose()
+
+
+def test_workers_opening_a_new_sqlite_file_together_all_get_it(tmp_path):
+    """Two workers that create the same file at once both convert it to WAL; without a retry one
+    of them got "database is locked" in about one round in twenty (SQLite refuses the lock that
+    would deadlock without waiting), so a hundred rounds almost surely catch it."""
+    ctx = multiprocessing.get_context("fork")
+    failed = []
+    for i in range(100):
+        url = f"sqlite:///{tmp_path / f'new-{i}.db'}"
+        barrier = ctx.Barrier(2)
+        procs = [ctx.Process(target=_open_at_barrier, args=(url, barrier)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        failed += [i for p in procs if p.exitcode != 0]
+    assert failed == []
