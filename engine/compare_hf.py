@@ -28,7 +28,9 @@ import gc
 import json
 import logging
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +194,10 @@ def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: in
 
 
 def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, rounds: int = 1,
-            systems: tuple[str, ...] = DEFAULT_SYSTEMS) -> dict[str, Any]:
-    """Measure every system at every batch size; see the module docstring."""
+            systems: tuple[str, ...] = DEFAULT_SYSTEMS,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every system at every batch size; see the module docstring. ``progress`` gets one line per
+    system and batch as each is measured (a full comparison takes tens of minutes on a small CPU)."""
     from engine import llama_cpp
     from engine.model.checkpoint import Checkpoint
 
@@ -225,9 +229,15 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
             for b in batches:
                 sysm.run(prompts[b][:, : min(prompt_len, 16)], 3)  # warm-up: first-call costs are not speed
                 per_round = []
+                t0 = time.perf_counter()
                 for _ in range(repeats):
                     per_round.append(sysm.run(prompts[b], new_tokens))
                 runs[name][b].append(per_round)
+                if progress is not None:
+                    prefill = statistics.median(b * prompt_len / f for f, _ in per_round)
+                    decode = statistics.median(b / statistics.median(st) for _, st in per_round)
+                    progress(f"round {rnd + 1}/{rounds}, {name}, batch {b}: prefill {prefill:.1f} tok/s, decode "
+                             f"{decode:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
                 if sysm.engine is not None and name == "engine":
                     touched[b] = sysm.engine.model.stats.mean_distinct()
                 if rnd == 0 and sysm.engine is not None:  # its bytes come from the loaded model
@@ -380,7 +390,8 @@ def main(args: argparse.Namespace) -> int:
     systems = _parse_systems(args.systems)
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = compare(args.model, batches, args.prompt_len, args.new_tokens, args.repeats, args.rounds, systems)
+    res = compare(args.model, batches, args.prompt_len, args.new_tokens, args.repeats, args.rounds, systems,
+                  progress=lambda line: print(f"compare-hf: {line}", file=sys.stderr, flush=True))
     print(f"model {res['model']} ({res['arch']}), prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"{res['threads']} threads, medians of {args.repeats} x {args.rounds} rounds; memory read bandwidth "
           f"{res['mem_bw_gb_per_s']:.1f} GB/s")

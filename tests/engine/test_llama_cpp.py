@@ -78,12 +78,17 @@ def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, nativ
     assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1", "--rounds", "1", "--staggered", "0",
                  "--systems", "transformers,engine,engine_int8,engine_int4,llama_bf16", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cap = capsys.readouterr()
+    res = json.loads(cap.out.strip().splitlines()[-1])
     assert "int4_group_size=128" in res["skipped"]["engine_int4"]  # hidden 64: a one-line reason, not a crash
     measured = ["transformers", "engine", "engine_int8"] + (["llama_bf16"] if llama_cpp.available() is None else [])
     if llama_cpp.available() is not None:
         assert "not installed" in res["skipped"]["llama_bf16"]
     assert sorted(res["systems"]) == sorted(measured)
+    # one progress line per system and batch as it is measured, on stderr (stdout stays the JSON)
+    progress = [ln for ln in cap.err.splitlines() if ln.startswith("compare-hf: round 1/1, ")]
+    assert [ln.split(":")[1].strip() for ln in progress] == [f"round 1/1, {n}, batch {b}" for n in measured
+                                                             for b in (1, 2)]
     for row in res["rows"]:
         for n in measured:
             assert row[f"{n}_decode_tokens_per_s"] > 0 and row[f"{n}_prefill_tokens_per_s"] > 0
