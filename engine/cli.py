@@ -81,6 +81,9 @@ def _provenance(engine) -> dict[str, Any]:
     return {"hardware": hardware(), "software": software(), "device": str(engine.device),
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
+            "experts": engine.model.hybrid.hi if engine.model.hybrid is not None else
+            str(engine.weight_dtype).replace("torch.", ""),
+            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""),
             "ep_ranks": engine.config.parallel.ep_size, "config_hash": engine.config.config_hash()}
 
 
