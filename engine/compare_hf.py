@@ -193,6 +193,12 @@ def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: in
     return r
 
 
+def _rates(runs: list[tuple[float, list[float]]], batch: int, prompt_len: int) -> tuple[float, float]:
+    """(prefill, decode) tokens/s, medians over runs of (prefill seconds, decode step seconds) at ``batch``."""
+    return (statistics.median(batch * prompt_len / f for f, _ in runs),
+            statistics.median(batch / statistics.median(steps) for _, steps in runs))
+
+
 def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, repeats: int, rounds: int = 1,
             systems: tuple[str, ...] = DEFAULT_SYSTEMS,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -234,8 +240,7 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
                     per_round.append(sysm.run(prompts[b], new_tokens))
                 runs[name][b].append(per_round)
                 if progress is not None:
-                    prefill = statistics.median(b * prompt_len / f for f, _ in per_round)
-                    decode = statistics.median(b / statistics.median(st) for _, st in per_round)
+                    prefill, decode = _rates(per_round, b, prompt_len)
                     progress(f"round {rnd + 1}/{rounds}, {name}, batch {b}: prefill {prefill:.1f} tok/s, decode "
                              f"{decode:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
                 if sysm.engine is not None and name == "engine":
@@ -259,12 +264,10 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
             all_runs = [r for rnd in runs[n][b] for r in rnd]
             if not all_runs:
                 continue
-            row[f"{n}_prefill_tokens_per_s"] = statistics.median(b * prompt_len / f for f, _ in all_runs)
-            row[f"{n}_decode_tokens_per_s"] = statistics.median(b / statistics.median(s) for _, s in all_runs)
-            row[f"{n}_decode_tokens_per_s_rounds"] = [statistics.median(b / statistics.median(s) for _, s in rnd)
-                                                      for rnd in runs[n][b]]
-            row[f"{n}_prefill_tokens_per_s_rounds"] = [statistics.median(b * prompt_len / f for f, _ in rnd)
-                                                       for rnd in runs[n][b]]
+            by_round = [_rates(rnd, b, prompt_len) for rnd in runs[n][b]]
+            row[f"{n}_prefill_tokens_per_s"], row[f"{n}_decode_tokens_per_s"] = _rates(all_runs, b, prompt_len)
+            row[f"{n}_decode_tokens_per_s_rounds"] = [d for _, d in by_round]
+            row[f"{n}_prefill_tokens_per_s_rounds"] = [p for p, _ in by_round]
             rf = rooflines[n].get(b)
             if rf:
                 row[f"{n}_roofline"] = rf

@@ -84,6 +84,7 @@ def one(lib: str, threads: int, tokens: int, precision: str = "bf16", group: int
         if precision == "bf16":  # the stacked form, as the engine passes bf16 experts
             s13 = [torch.stack([w for w, _, _ in c]) for c in w13]
             s2 = [torch.stack([w for w, _, _ in c]) for c in w2]
+
             def fn(i, s13=s13, s2=s2, ids=ids, xs=xs, gates=gates, c=copies):
                 return ops.moe(xs, s13[i % c], s2[i % c], ids[i % 64], gates, path)
         else:
