@@ -50,7 +50,7 @@ Products of bf16/fp16/int8/int4 weights follow the measured paths instead (:func
 MAX_NATIVE_TOKENS_PER_EXPERT = 32
 """Kept for callers of the previous API: the measured crossover now decides (:func:`fused_moe`)."""
 
-ISA_VARIANTS = ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16")
+ISA_VARIANTS = ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 """The ISA variants compiled into the library, from least to most preferred."""
 PRECISIONS = ("bf16", "fp16", "int8", "int4")
 """Weight precisions the native products read."""
@@ -216,7 +216,8 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
 
     Native paths are ``"variant:mode"`` (modes: ``f32`` fp32 products of weights widened in registers;
     ``q8`` int8 dot products of activations quantized per block of 32; ``bf16dp`` vdpbf16ps on
-    activations rounded to bf16). PyTorch's: ``torch:widen`` (its fp32 GEMM on a copy of the weight
+    activations rounded to bf16; ``tile`` AMX tiles on activations rounded to bf16, the weights read as
+    stored). PyTorch's: ``torch:widen`` (its fp32 GEMM on a copy of the weight
     widened per call), ``torch:bf16`` (oneDNN's bf16 products on AMX: only where ``amx``, the CPU
     has AMX tiles) and ``torch:quant`` (its packed int8/int4 kernels on bf16 activations). A variant
     that differs from a lower one only in instructions a mode does not use is not listed for that mode.
@@ -225,7 +226,7 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
     q8 = [v for v in runnable if v in ("avx2", "avx_vnni", "avx512", "avx512_vnni")] or ["scalar"]
     if precision == "bf16":
         return ([f"{v}:f32" for v in f32] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in runnable else [])
-                + ["torch:widen"] + (["torch:bf16"] if amx else []))
+                + (["amx:tile"] if "amx" in runnable else []) + ["torch:widen"] + (["torch:bf16"] if amx else []))
     if precision == "fp16":
         return [f"{v}:f32" for v in f32] + ["torch:widen"]
     if precision == "int8":
@@ -341,8 +342,8 @@ def native_path(precision: str, tokens: int) -> str:
 
 
 def _fit(p: str, inner: int) -> str:
-    """q8 and bf16dp read blocks of 32 activations: other inner sizes take the f32 mode."""
-    if inner % 32 and (p.endswith(":q8") or p.endswith(":bf16dp")):
+    """q8, bf16dp and tile read blocks of 32 activations: other inner sizes take the f32 mode."""
+    if inner % 32 and p.endswith((":q8", ":bf16dp", ":tile")):
         return p.split(":")[0] + ":f32"
     return p
 

@@ -15,6 +15,7 @@
 //   avx512        AVX-512 F/BW/DQ/VL: 16 fp32 lanes; int8 dot products with vpmaddubsw (512-bit)
 //   avx512_vnni   avx512 with vpdpbusd (512-bit)
 //   avx512_bf16   avx512_vnni with vdpbf16ps: bf16 pair dot products (activations rounded to bf16)
+//   amx           avx512_bf16 with AMX tiles: tdpbf16ps on 16 weight rows x 32 values x 16 tokens
 // Headers and the ops' plumbing are compiled once, for the build's -march, so no inline function of a
 // header is ever compiled for an instruction set the machine may lack. At load the best variant this
 // CPU runs is picked from CPUID and XGETBV (isa()); every product op also takes an explicit path
@@ -24,6 +25,8 @@
 //   q8      activations quantized per token in blocks of 32 to int8 with an fp32 scale per block
 //           (llama.cpp's q8_0), integer dot products per block, fp32 accumulation (int8 and int4 weights)
 //   bf16dp  activations rounded to bf16, vdpbf16ps (bf16 weights; avx512_bf16 only)
+//   tile    activations rounded to bf16, AMX tiles (bf16 weights; amx only): the weights are the A tiles,
+//           read straight from their rows (no repacking), the tokens the B tiles, packed in pairs per call
 //
 // Weight formats (row-major, what the engine stores at load time; nothing is widened per step):
 //   bf16 / fp16 [N, K]; int8 [N, K] with one bf16 or fp32 scale per row (w = q * s);
@@ -75,6 +78,10 @@
 #define MT_X86 0
 #endif
 #include <omp.h>
+#if MT_X86 && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -92,6 +99,7 @@
 #define MT_AVX512 3
 #define MT_AVX512VNNI 4
 #define MT_AVX512BF16 5
+#define MT_AMX 6
 
 namespace mt {
 
@@ -112,7 +120,7 @@ inline float widen(uint16_t v, F16T) { return f16_to_f(v); }
 inline float widen(int8_t v, I8T) { return static_cast<float>(v); }
 
 // What a product computes: weight format x arithmetic.
-enum class Kind : int { Bf16F32, F16F32, I8F32, I8Q8, I4Q8, Bf16Dp };
+enum class Kind : int { Bf16F32, F16F32, I8F32, I8Q8, I4Q8, Bf16Dp, Bf16Tile };
 
 constexpr int64_t kQBlock = 32;  // activation values per int8 scale (q8 mode) and per int4 chunk
 
@@ -133,7 +141,7 @@ struct Act {
   const int8_t* q = nullptr;    // q8: int8 [K]
   const float* d = nullptr;     // q8: the scale of each block of 32, repeated 8 times ([K/32 * 8])
   const float* gs = nullptr;    // q8 for int4: exact sum of x over each weight group ([K/G])
-  const uint16_t* b = nullptr;  // bf16dp: bf16 [K]
+  const uint16_t* b = nullptr;  // bf16dp, tile: bf16 [K]
 };
 
 // T activation rows prepared for one kind.
@@ -178,7 +186,7 @@ void prepare(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepare
       p.acts[t].d = p.d.data() + t * nb * 8;
       p.acts[t].gs = ng ? p.gs.data() + t * ng : nullptr;
     }
-  } else if (kind == Kind::Bf16Dp) {
+  } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
     p.b.resize(T * K);
     at::parallel_for(0, T * K, 4096, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) p.b[i] = f_to_bf16(x[i]);
@@ -250,6 +258,14 @@ namespace v_avx512_bf16 {
 #undef MT_ISA
 }  // namespace v_avx512_bf16
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+namespace v_amx {
+#define MT_ISA MT_AMX
+#include "cpu_kernels.cpp"  // this file, its variant body
+#undef MT_ISA
+}  // namespace v_amx
+#pragma GCC pop_options
 #endif
 #undef MOETUNE_VARIANT_BODY
 
@@ -319,6 +335,25 @@ bool runs_avx512(const CpuFeatures& f) {
   return runs_avx2(f) && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl;
 }
 
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, since 5.16); without it the first tile instruction is a SIGILL. Asked once, at the first
+// check; PyTorch's oneDNN asks the same for its own AMX kernels.
+bool amx_permitted() {
+#if MT_X86 && defined(__linux__)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool runs_amx(const CpuFeatures& f) {
+  return runs_avx512(f) && f.avx512_vnni && f.avx512_bf16 && f.amx_tile && f.amx_bf16 && f.os_amx && amx_permitted();
+}
+
 const std::vector<Variant>& all_variants() {
   static const std::vector<Variant> v = {
       {"scalar", &v_scalar::linear, &v_scalar::moe, [](const CpuFeatures&) { return true; }, -1},
@@ -331,6 +366,7 @@ const std::vector<Variant>& all_variants() {
        [](const CpuFeatures& f) { return runs_avx512(f) && f.avx512_vnni; }, 3},
       {"avx512_bf16", &v_avx512_bf16::linear, &v_avx512_bf16::moe,
        [](const CpuFeatures& f) { return runs_avx512(f) && f.avx512_vnni && f.avx512_bf16; }, 4},
+      {"amx", &v_amx::linear, &v_amx::moe, runs_amx, 5},
 #endif
   };
   return v;
@@ -394,6 +430,7 @@ Path parse_path(const std::string& path, Fmt fmt) {
   bool ok = true;
   if (fmt == Fmt::Bf16 && mode == "f32") p.kind = Kind::Bf16F32;
   else if (fmt == Fmt::Bf16 && mode == "bf16dp") p.kind = Kind::Bf16Dp;
+  else if (fmt == Fmt::Bf16 && mode == "tile") p.kind = Kind::Bf16Tile;
   else if (fmt == Fmt::F16 && mode == "f32") p.kind = Kind::F16F32;
   else if (fmt == Fmt::I8 && mode == "f32") p.kind = Kind::I8F32;
   else if (fmt == Fmt::I8 && mode == "q8") p.kind = Kind::I8Q8;
@@ -459,8 +496,9 @@ Mat make_mat(const at::Tensor& w, const at::Tensor& s, Fmt fmt, int64_t n, int64
     if (s.scalar_type() == at::kFloat) m.sc32 = s.data_ptr<float>();
     else m.sc16 = static_cast<const uint16_t*>(s.data_ptr());
   }
-  if (kind == Kind::I8Q8 || kind == Kind::Bf16Dp)
-    TORCH_CHECK(K % kQBlock == 0, "moetune::", what, ": the ", kind == Kind::I8Q8 ? "q8" : "bf16dp",
+  if (kind == Kind::I8Q8 || kind == Kind::Bf16Dp || kind == Kind::Bf16Tile)
+    TORCH_CHECK(K % kQBlock == 0, "moetune::", what, ": the ",
+                kind == Kind::I8Q8 ? "q8" : kind == Kind::Bf16Dp ? "bf16dp" : "tile",
                 " mode needs an inner size divisible by 32, got ", K);
   return m;
 }
@@ -810,7 +848,9 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
               "moetune::moe: expert shapes ", w13.sizes(), " and ", w2.sizes(), " do not fit hidden size ", H);
   const Fmt fmt = fmt_of(w13);
   const Path p = parse_path(path, fmt);
-  if (p.kind == Kind::Bf16Dp) TORCH_CHECK(H % kQBlock == 0 && inter % kQBlock == 0, "moetune::moe: bf16dp needs sizes divisible by 32");
+  if (p.kind == Kind::Bf16Dp || p.kind == Kind::Bf16Tile)
+    TORCH_CHECK(H % kQBlock == 0 && inter % kQBlock == 0, "moetune::moe: the ",
+                p.kind == Kind::Bf16Dp ? "bf16dp" : "tile", " mode needs sizes divisible by 32, got ", H, " and ", inter);
   MoeJob job;
   job.T = h.size(0);
   job.H = H;
@@ -1546,7 +1586,7 @@ inline void dots_i4q8_scalar(const uint8_t* const* w, const uint16_t* const* sc,
 }
 #endif
 
-#if MT_ISA == MT_AVX512BF16
+#if MT_ISA >= MT_AVX512BF16
 // bf16 weights x bf16-rounded activations: vdpbf16ps, 32 products per instruction into 16 fp32 lanes.
 template <int NR, int NT>
 inline void dots_bf16dp(const uint16_t* const* w, const Act* x, int64_t K, int64_t ld, float* s) {
@@ -1735,6 +1775,195 @@ void moe_kind(const MoeJob& j, float* op) {
   });
 }
 
+
+#if MT_ISA == MT_AMX
+// ---- tile mode (AMX). The bf16 weights are the A tiles, loaded straight from their rows (16 rows x
+// 32 values: one 64-byte line of each row); the tokens' activations, rounded to bf16, are the B tiles,
+// packed per call in pairs of inner values (16 pairs x up to 16 tokens); tdpbf16ps accumulates fp32
+// C tiles of 16 rows x up to 16 tokens. Each weight line is read once per 32 tokens, and one
+// tdpbf16ps does 8192 products: at the token counts experts see in decode the products are bound by
+// the weights' bytes, not by arithmetic, as they are on the vector paths.
+//
+// Tiles: 0-1 C (rows r..r+15, r+16..r+31) of token group a, 2-3 the same of group b; 4-5 A; 6-7 B.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile shapes for token groups of na and nb tokens (nb = 0: group a alone), loaded only when they
+// change; the tiles are released when the state goes out of scope (the thread's part of a call ends).
+struct TileState {
+  int na = -1, nb = -1;
+  void shape(int a, int b) {
+    if (a == na && b == nb) return;
+    TileConfig c;
+    const int n[2] = {a, std::max(b, 1)};
+    for (int g = 0; g < 2; ++g) {
+      c.rows[2 * g] = c.rows[2 * g + 1] = c.rows[6 + g] = 16;
+      c.colsb[2 * g] = c.colsb[2 * g + 1] = c.colsb[6 + g] = static_cast<uint16_t>(n[g] * 4);
+    }
+    c.rows[4] = c.rows[5] = 16;
+    c.colsb[4] = c.colsb[5] = 64;
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));  // the whole struct as the operand (GCC's macro names 8 bytes)
+    na = a;
+    nb = b;
+  }
+  ~TileState() {
+    if (na >= 0) _tile_release();
+  }
+};
+
+// The n tokens' bf16 rows as B tiles: per group of 16 tokens (the last may hold fewer, ng), the pairs
+// of inner values as uint32 [K/2][ng]; group g starts at bp + 16 g K/2.
+inline void pack_tokens(const Act* x, int64_t n, int64_t K, uint32_t* bp) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t ng = std::min<int64_t>(16, n - t0);
+    uint32_t* out = bp + t0 * K / 2;
+    for (int64_t t = 0; t < ng; ++t) {
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(x[t0 + t].b);
+      for (int64_t i = 0; i < K / 2; ++i) out[i * ng + t] = src[i];
+    }
+  }
+}
+
+// c[(g * 2 + h) * 256 + i * 16 + t] = dot(weight row r + 16 h + i, token t of group g), for NR blocks of
+// 16 rows from w (ld values a row) and NG token groups b[g] of n[g] tokens.
+template <int NR, int NG>
+inline void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, const int* n, int64_t K, float* c) {
+  const int64_t stride = ld * 2;
+  __asm__ volatile("" ::: "memory");  // the packed tokens are in memory before the first tile load
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NG > 1) _tile_zero(2);
+  if constexpr (NR > 1 && NG > 1) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int i = 0; i < 16 * NR; ++i) __builtin_prefetch(w + i * ld + k + 128);  // 4 lines ahead a row
+    _tile_loadd(6, b[0] + k / 2 * n[0], n[0] * 4);
+    if constexpr (NG > 1) _tile_loadd(7, b[1] + k / 2 * n[1], n[1] * 4);
+    _tile_loadd(4, w + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NG > 1) _tile_dpbf16ps(2, 4, 7);
+    if constexpr (NR > 1) {
+      _tile_loadd(5, w + 16 * ld + k, stride);
+      _tile_dpbf16ps(1, 5, 6);
+      if constexpr (NG > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NR > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (NG > 1) _tile_stored(2, c + 512, 64);
+  if constexpr (NR > 1 && NG > 1) _tile_stored(3, c + 768, 64);
+  __asm__ volatile("" ::: "memory");  // and c is read only after the stores
+}
+
+inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+  return _mm512_reduce_add_ps(acc);
+}
+
+// sink(row, token, dot) for rows [r0, r1) of the bf16 weight m and n tokens (bf16 rows x[t].b, packed
+// as B tiles at bp): 32 tokens and 32 rows a tile block, then 16 rows; the last rows (fewer than 16)
+// by vdpbf16ps.
+template <typename Sink>
+void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_t* bp, int64_t n, int64_t K,
+               TileState& ts, Sink& sink) {
+  const uint16_t* w = static_cast<const uint16_t*>(m.w);
+  alignas(64) float c[4 * 256];
+  for (int64_t t0 = 0; t0 < n; t0 += 32) {
+    const int na = static_cast<int>(std::min<int64_t>(16, n - t0));
+    const int nb = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - t0 - 16)));
+    ts.shape(na, nb);
+    const uint32_t* b[2] = {bp + t0 * K / 2, bp + (t0 + 16) * K / 2};
+    const int ng[2] = {na, nb};
+    auto emit = [&](int64_t r, int nr) {
+      for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
+        for (int h = 0; h < nr; ++h)
+          for (int i = 0; i < 16; ++i)
+            for (int t = 0; t < ng[g]; ++t) sink(r + 16 * h + i, t0 + 16 * g + t, c[(g * 2 + h) * 256 + i * 16 + t]);
+    };
+    int64_t r = r0;
+    for (; r + 32 <= r1; r += 32) {
+      if (nb > 0) tile_block<2, 2>(w + r * m.ld, m.ld, b, ng, K, c);
+      else tile_block<2, 1>(w + r * m.ld, m.ld, b, ng, K, c);
+      emit(r, 2);
+    }
+    if (r + 16 <= r1) {
+      if (nb > 0) tile_block<1, 2>(w + r * m.ld, m.ld, b, ng, K, c);
+      else tile_block<1, 1>(w + r * m.ld, m.ld, b, ng, K, c);
+      emit(r, 1);
+      r += 16;
+    }
+    for (; r < r1; ++r)
+      for (int64_t t = t0; t < t0 + na + nb; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
+  }
+}
+
+void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, const float* bias, float* y) {
+  std::vector<uint32_t> bp(T * K / 2);
+  pack_tokens(x, T, K, bp.data());
+  auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
+  parallel_chunks(N, 64, [&](int64_t r0, int64_t r1) {
+    TileState ts;
+    tile_rows(m, r0, r1, x, bp.data(), T, K, ts, sink);
+  });
+}
+
+// moe_kind's two phases on tiles; each expert's tokens are packed once per phase.
+void moe_tile(const MoeJob& j, float* op) {
+  const Routes& R = *j.routes;
+  const int64_t P = R.P, H = j.H, inter = j.inter, E = static_cast<int64_t>(j.w13.size());
+  std::vector<Act> xs(P);
+  for (int64_t p = 0; p < P; ++p) xs[p] = j.hacts[R.tok[p]];
+  std::vector<uint32_t> bp(P * std::max(H, inter) / 2);
+  for (int64_t e = 0; e < E; ++e)
+    pack_tokens(xs.data() + R.offset[e], R.offset[e + 1] - R.offset[e], H, bp.data() + R.offset[e] * H / 2);
+  std::vector<float> act(P * inter);
+  const int64_t rb = 32;
+  struct Item { int64_t e, r0, r1; };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e)
+    if (R.offset[e + 1] > R.offset[e])
+      for (int64_t r = 0; r < inter; r += rb) items.push_back({e, r, std::min(inter, r + rb)});
+  const int n_threads = at::get_num_threads();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items > 1)
+  {
+    TileState ts;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& item = items[it];
+      const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
+      const uint32_t* b = bp.data() + p0 * H / 2;
+      std::vector<float> g(rows * n);
+      auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
+      tile_rows(j.w13[item.e], item.r0, item.r1, xs.data() + p0, b, n, H, ts, gate_sink);
+      auto up_sink = [&](int64_t r, int64_t t, float v) {
+        const int64_t i = r - inter;
+        act[(p0 + t) * inter + i] = silu(g[(i - item.r0) * n + t]) * v;
+      };
+      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink);
+    }
+  }
+  Prepared as;
+  prepare(act.data(), P, inter, Kind::Bf16Tile, 0, as);
+  for (int64_t e = 0; e < E; ++e)
+    pack_tokens(as.acts.data() + R.offset[e], R.offset[e + 1] - R.offset[e], inter, bp.data() + R.offset[e] * inter / 2);
+  parallel_chunks(H, 32, [&](int64_t r0, int64_t r1) {
+    TileState ts;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
+      if (n == 0) continue;
+      auto sink = [&](int64_t r, int64_t t, float v) { op[R.tok[p0 + t] * H + r] += R.gate[p0 + t] * v; };
+      tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink);
+    }
+  });
+}
+#endif
+
 // Which kinds this variant compiles: a variant that differs from its fallback only in its int8 or
 // bf16 dot products compiles only those (the common part falls back for the rest).
 #if MT_ISA == MT_AVXVNNI || MT_ISA == MT_AVX512VNNI
@@ -1745,6 +1974,21 @@ void moe_kind(const MoeJob& j, float* op) {
 #define MT_KINDS(X) X(Bf16F32) X(F16F32) X(I8F32) X(I8Q8) X(I4Q8)
 #endif
 
+#if MT_ISA == MT_AMX
+// amx compiles the tile mode alone (its fallback, avx512_bf16, serves the rest).
+bool linear(Kind kd, const Mat& m, int64_t N, int64_t K, int64_t, const Act* x, int64_t T, const float* bias,
+            float* y) {
+  if (kd != Kind::Bf16Tile) return false;
+  linear_tile(m, N, K, x, T, bias, y);
+  return true;
+}
+
+bool moe(Kind kd, const MoeJob& j, float* out) {
+  if (kd != Kind::Bf16Tile) return false;
+  moe_tile(j, out);
+  return true;
+}
+#else
 bool linear(Kind kd, const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, int64_t T, const float* bias,
             float* y) {
   switch (kd) {
@@ -1763,6 +2007,7 @@ bool moe(Kind kd, const MoeJob& j, float* out) {
     default: return false;
   }
 }
+#endif
 #undef MT_KINDS
 
 #endif  // MOETUNE_VARIANT_BODY

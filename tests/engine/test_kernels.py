@@ -276,7 +276,7 @@ def test_engine_on_half_weights_matches_torch_fp32(make_ckpt, arch, overrides):
 # relative each; measured 1.5e-3 over the tiny checkpoints' layers on an AVX512_BF16 EPYC).
 # torch:widen is PyTorch's fp32 GEMM (as f32); torch:bf16, oneDNN's bf16 products (on AMX), rounds
 # activations and outputs to bf16 (as bf16dp, or a little worse).
-ENGINE_LOGIT_TOL = {"f32": 1e-4, "widen": 1e-4, "bf16dp": 1e-2, "bf16": 1e-2}
+ENGINE_LOGIT_TOL = {"f32": 1e-4, "widen": 1e-4, "bf16dp": 1e-2, "tile": 1e-2, "bf16": 1e-2}
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
@@ -290,6 +290,7 @@ def test_engine_on_the_paths_this_cpu_picks_stays_within_their_precision(make_ck
     ref = _prompt_logits(torch_)
     auto = kernels.path("bf16", 1)
     modes = [None] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in _runnable() else [])
+    modes += ["amx:tile"] if "amx" in _runnable() else []
     for forced in modes:
         with kernels.forced_paths(**({"bf16": forced} if forced else {})):
             # Every path the bf16 products take at some token count (prompts run many tokens at once).
@@ -506,9 +507,10 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
         _close(op.linear_q(x, q, s, 0, 0, f"{variant}:f32", None), x @ (q.float() * s.float()[:, None]).t())
     for rows, inner in Q8_SHAPES:
         x = torch.randn(tokens, inner, generator=g)
-        if variant == "avx512_bf16":  # its own path is bf16dp; its int8 products are avx512_vnni's
+        if variant in ("avx512_bf16", "amx"):  # their own paths are bf16dp and tile; int8 is avx512_vnni's
             wb = torch.randn(rows, inner, generator=g).bfloat16()
-            _close(op.linear_q(x, wb, None, 0, 0, "avx512_bf16:bf16dp", None), x.bfloat16().float() @ wb.float().t())
+            mode = "bf16dp" if variant == "avx512_bf16" else "tile"
+            _close(op.linear_q(x, wb, None, 0, 0, f"{variant}:{mode}", None), x.bfloat16().float() @ wb.float().t())
             continue
         q = torch.randint(-127, 128, (rows, inner), dtype=torch.int8, generator=g)
         s = torch.rand(rows, generator=g)  # fp32 row scales are accepted too
@@ -522,9 +524,9 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
 
 # Every (variant, format, mode) there is: f32 on each, q8 on those with int8 products (avx512_bf16's are
 # avx512_vnni's), bf16dp on avx512_bf16 alone.
-INT_VARIANTS = [v for v in kernels.ISA_VARIANTS if v != "avx512_bf16"]
+INT_VARIANTS = [v for v in kernels.ISA_VARIANTS if v not in ("avx512_bf16", "amx")]
 MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp16", "int8")]
-             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [("avx512_bf16", "bf16", "bf16dp")])
+             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [("avx512_bf16", "bf16", "bf16dp"), ("amx", "bf16", "tile")])
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
@@ -556,7 +558,7 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode):
     unused = set(range(n_exp - 4, n_exp))
     drop = [None if e in unused else w for e, w in enumerate(d13)], [None if e in unused else w for e, w in enumerate(d2)]
     got = _ops().moe_q(h, drop[0], s13, drop[1], s2, ids, gates, group, f"{variant}:{mode}")
-    if mode == "bf16dp":
+    if mode in ("bf16dp", "tile"):
         ref = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
         return
@@ -577,6 +579,10 @@ def test_variants_follow_cpuid():
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     assert ("avx512_vnni" in v["runnable"]) == (avx512 | {"avx512_vnni"} <= flags)
     assert ("avx512_bf16" in v["runnable"]) == (avx512 | {"avx512_vnni", "avx512_bf16"} <= flags)
+    if "amx" in v["runnable"]:  # AMX also needs the OS's tile state (XCR0) and Linux's permission (arch_prctl)
+        assert avx512 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
+    elif sys.platform == "linux" and {"amx_tile", "amx_bf16"} <= flags and "os_amx" in feats:
+        pytest.fail("the CPU and OS have AMX tiles but the amx kernels are not runnable")
 
 
 def test_set_isa_switches_the_default_and_refuses_what_the_cpu_lacks():
