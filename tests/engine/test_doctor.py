@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from engine import kernels
-
 from engine.env import cache_dir
 from engine.hwinfo import ISA_FLAGS, cpu_flags
 
