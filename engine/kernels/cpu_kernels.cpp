@@ -211,6 +211,16 @@ struct MoeJob {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
+// Phase 1's work items: each routed expert's gate/up rows [0, inter) in blocks of rb.
+struct ExpertRows { int64_t e, r0, r1; };
+inline std::vector<ExpertRows> expert_row_blocks(const Routes& R, int64_t E, int64_t inter, int64_t rb) {
+  std::vector<ExpertRows> items;
+  for (int64_t e = 0; e < E; ++e)
+    if (R.offset[e + 1] > R.offset[e])
+      for (int64_t r = 0; r < inter; r += rb) items.push_back({e, r, std::min(inter, r + rb)});
+  return items;
+}
+
 #define MOETUNE_VARIANT_BODY 1
 namespace v_scalar {
 #define MT_ISA MT_SCALAR
@@ -1742,17 +1752,12 @@ void moe_kind(const MoeJob& j, float* op) {
   std::vector<Act> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = j.hacts[R.tok[p]];
   std::vector<float> act(P * inter);
-  const int64_t rb = 32;
-  struct Item { int64_t e, r0, r1; };
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e)
-    if (R.offset[e + 1] > R.offset[e])
-      for (int64_t r = 0; r < inter; r += rb) items.push_back({e, r, std::min(inter, r + rb)});
+  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, 32);
   const int n_threads = at::get_num_threads();
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
   for (int64_t it = 0; it < n_items; ++it) {
-    const Item& item = items[it];
+    const ExpertRows& item = items[it];
     const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
     std::vector<float> g(rows * n);
     auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
@@ -1922,12 +1927,7 @@ void moe_tile(const MoeJob& j, float* op) {
   for (int64_t e = 0; e < E; ++e)
     pack_tokens(xs.data() + R.offset[e], R.offset[e + 1] - R.offset[e], H, bp.data() + R.offset[e] * H / 2);
   std::vector<float> act(P * inter);
-  const int64_t rb = 32;
-  struct Item { int64_t e, r0, r1; };
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e)
-    if (R.offset[e + 1] > R.offset[e])
-      for (int64_t r = 0; r < inter; r += rb) items.push_back({e, r, std::min(inter, r + rb)});
+  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, 32);
   const int n_threads = at::get_num_threads();
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items > 1)
@@ -1935,7 +1935,7 @@ void moe_tile(const MoeJob& j, float* op) {
     TileState ts;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
-      const Item& item = items[it];
+      const ExpertRows& item = items[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
       const uint32_t* b = bp.data() + p0 * H / 2;
       std::vector<float> g(rows * n);
