@@ -71,14 +71,26 @@ def _time_linear(dtype: torch.dtype, m: int, out_f: int, in_f: int, reps: int = 
     return best / (reps * len(ws))
 
 
-def cpu_compute_dtype(stored: torch.dtype, hidden: int, inter: int) -> torch.dtype:
-    """The faster of ``stored`` (bf16/fp16) and fp32 for expert-shaped products on this CPU.
+def cpu_compute_dtype(stored: torch.dtype, hidden: int, inter: int, cpu_kernels: str = "torch") -> torch.dtype:
+    """What ``compute_dtype=auto`` computes in on this CPU for weights stored in ``stored``.
 
-    Times one token and sixteen tokens per product (decode and prefill); the half-precision type is
-    kept only when it is no slower at both.
+    Where the native kernels run (``cpu_kernels`` not ``torch`` and the library loads): fp32 activations,
+    the weights read as stored, because the kernels' path table already measured every product path on
+    this machine, PyTorch's bf16 products among them, and takes the fastest per token count; a whole-model
+    choice of PyTorch's bf16 would throw that table away (x0.17 at batch-1 decode on an AVX512_BF16 EPYC,
+    where PyTorch's bf16 beats its fp32 but not the kernels). Otherwise (PyTorch alone): the faster of
+    ``stored`` and fp32 for expert-shaped products, timed at one and sixteen tokens per product (decode
+    and prefill); the half-precision type is kept only when it is no slower at both.
     """
     if stored == torch.float32:
         return stored
+    if cpu_kernels != "torch":
+        from engine import kernels
+
+        # native: the kernels or an error; a build that fails: an error too (runtime.pick_weight_dtype says why)
+        if stored in kernels.HALF_DTYPES and (cpu_kernels == "native" or kernels.load() is not None
+                                              or kernels.status()["state"] == "broken"):
+            return torch.float32
     got = compute_dtype_measurement(stored, hidden, inter)
     log.info("compute dtype on this CPU for %s weights: %s (%s)", stored, got["pick"], got["times_s"])
     return torch.float32 if got["pick"] == "torch.float32" else stored
@@ -171,7 +183,7 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
-_KERNEL_PATHS_VERSION = 2  # of the measurement below: a change re-measures
+_KERNEL_PATHS_VERSION = 3  # of the measurement below: a change re-measures
 _KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
 
 

@@ -80,8 +80,10 @@ class RuntimeConfig:
         "auto", "Device for the model: cuda when present under auto, else cpu.")
     compute_dtype: Literal["auto", "checkpoint", "float32", "bfloat16", "float16"] = knob(
         "auto",
-        "Precision of matrix products: auto measures bf16 vs fp32 kernels on this machine once and picks "
-        "the faster; checkpoint keeps the stored dtype.",
+        "Precision of activations and matrix products: auto = the stored dtype on a GPU; on a CPU, fp32 "
+        "activations on the weights as stored where the native kernels run (their measured path table "
+        "picks bf16 arithmetic per token count), else the faster of the stored dtype and fp32 in PyTorch, "
+        "measured once; checkpoint keeps the stored dtype.",
         search=Search(choices=("auto", "checkpoint", "float32")),
     )
     cpu_kernels: Literal["auto", "native", "torch"] = knob(

@@ -57,13 +57,16 @@ def _kernels() -> dict[str, Any]:
 
 
 def _compute_dtype(hidden: int, inter: int) -> dict[str, Any]:
-    """What ``compute_dtype=auto`` picks on this CPU for half-precision checkpoints, with the timings."""
-    from engine.calibrate import compute_dtype_measurement
+    """What ``compute_dtype=auto`` picks on this CPU for half-precision checkpoints (with the default
+    ``cpu_kernels=auto``), and what PyTorch alone would pick (``cpu_kernels=torch``) with its timings."""
+    from engine.calibrate import compute_dtype_measurement, cpu_compute_dtype
 
     out: dict[str, Any] = {"shape": f"{hidden}x{2 * inter}"}
     for stored in (torch.bfloat16, torch.float16):
         m = compute_dtype_measurement(stored, hidden, inter)
-        out[str(stored).replace("torch.", "")] = {"auto_picks": m["pick"].replace("torch.", ""), "times_s": m["times_s"]}
+        out[str(stored).replace("torch.", "")] = {
+            "auto_picks": str(cpu_compute_dtype(stored, hidden, inter, "auto")).replace("torch.", ""),
+            "torch_only_picks": m["pick"].replace("torch.", ""), "times_s": m["times_s"]}
     return out
 
 
@@ -191,8 +194,12 @@ def format_report(r: dict[str, Any]) -> str:
         times = d["times_s"]
         detail = ", ".join(f"{m}: " + " vs ".join(f"{dt.replace('torch.', '')} {t * 1e6:.0f} us" for dt, t in v.items())
                            for m, v in times.items())
-        weights = ("read as stored by the native kernels" if d["auto_picks"] == "float32" and k["available"]
-                   else "widened to float32" if d["auto_picks"] == "float32" else "as stored")
+        if d["auto_picks"] == "float32" and k["available"]:
+            lines.append(f"compute   {name} checkpoints: auto computes in float32, weights read as stored by the "
+                         f"native kernels (paths above); with cpu_kernels=torch, in {d['torch_only_picks']} "
+                         f"({cd['shape']} product; {detail})")
+            continue
+        weights = "widened to float32" if d["auto_picks"] == "float32" else "as stored"
         lines.append(f"compute   {name} checkpoints: auto computes in {d['auto_picks']}, weights {weights} "
                      f"({cd['shape']} product; {detail})")
     for dev, precisions in r["quant"]["kernels"].items():

@@ -38,14 +38,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int, inter: int) -> torch.dtype:
+def pick_dtype(name: str, stored: torch.dtype, device: torch.device, hidden: int, inter: int,
+               cpu_kernels: str = "auto") -> torch.dtype:
+    """The compute dtype for the ``runtime.compute_dtype`` knob ``name`` (``cpu_kernels``: that knob, which
+    decides what ``auto`` means on a CPU: see :func:`engine.calibrate.cpu_compute_dtype`)."""
     if name == "checkpoint":
         return stored
     if name != "auto":
         return torch_dtype(name)
     if device.type == "cuda":
         return stored  # GPUs have native bf16/fp16 products
-    return cpu_compute_dtype(stored, hidden, inter)
+    return cpu_compute_dtype(stored, hidden, inter, cpu_kernels)
 
 
 def pick_weight_dtype(choice: str, compute: torch.dtype, stored: torch.dtype, device: torch.device) -> torch.dtype:
@@ -120,7 +123,7 @@ class Engine:
         # Every check that needs the model or the machine runs before any weight is read.
         self.config.validate_for(self.spec, fast_tier_bytes(self.device))
         self.dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, self.device, self.spec.hidden_size,
-                                self.spec.expert_intermediate)
+                                self.spec.expert_intermediate, rt.cpu_kernels)
         self.weight_dtype = pick_weight_dtype(rt.cpu_kernels, self.dtype, self.ckpt.dtype, self.device)
         self.expert_device = self._expert_device(self.config)
         t = time.perf_counter()
@@ -328,7 +331,7 @@ class Engine:
         try:
             device = pick_device(rt.device)
             dtype = pick_dtype(rt.compute_dtype, self.ckpt.dtype, device, self.spec.hidden_size,
-                               self.spec.expert_intermediate)
+                               self.spec.expert_intermediate, rt.cpu_kernels)
             weight_dtype = pick_weight_dtype(rt.cpu_kernels, dtype, self.ckpt.dtype, device)
         except ConfigError:
             return False  # the reload says why

@@ -218,15 +218,17 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
     ``q8`` int8 dot products of activations quantized per block of 32; ``bf16dp`` vdpbf16ps on
     activations rounded to bf16; ``tile`` AMX tiles on activations rounded to bf16, the weights read as
     stored). PyTorch's: ``torch:widen`` (its fp32 GEMM on a copy of the weight
-    widened per call), ``torch:bf16`` (oneDNN's bf16 products on AMX: only where ``amx``, the CPU
-    has AMX tiles) and ``torch:quant`` (its packed int8/int4 kernels on bf16 activations). A variant
+    widened per call), ``torch:bf16`` (oneDNN's bf16 products: only where the CPU multiplies bf16 natively,
+    with AMX tiles (``amx``) or AVX512_BF16; elsewhere oneDNN emulates them) and ``torch:quant`` (its packed
+    int8/int4 kernels on bf16 activations). A variant
     that differs from a lower one only in instructions a mode does not use is not listed for that mode.
     """
     f32 = [v for v in runnable if v in ("avx2", "avx512")] or ["scalar"]
     q8 = [v for v in runnable if v in ("avx2", "avx_vnni", "avx512", "avx512_vnni")] or ["scalar"]
     if precision == "bf16":
         return ([f"{v}:f32" for v in f32] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in runnable else [])
-                + (["amx:tile"] if "amx" in runnable else []) + ["torch:widen"] + (["torch:bf16"] if amx else []))
+                + (["amx:tile"] if "amx" in runnable else []) + ["torch:widen"]
+                + (["torch:bf16"] if amx or "avx512_bf16" in runnable else []))
     if precision == "fp16":
         return [f"{v}:f32" for v in f32] + ["torch:widen"]
     if precision == "int8":
@@ -460,13 +462,15 @@ def dispatch_report() -> dict[str, object]:
     peaks: dict = measured.get("peak_gflops", {})  # type: ignore[assignment]
     bf16_torch = peaks.get("bf16", {}).get("torch:bf16")
     used = any(p == "torch:bf16" for _, p in table.get("bf16", {}).get("ranges", []))
+    onednn = (f"oneDNN's bf16 products measured {bf16_torch:.0f} GFLOP/s at best, "
+              + ("used above the crossover" if used else "slower than the native kernels here, not used"))
     if has_amx:
-        detail = (f"present; oneDNN's bf16 products measured {bf16_torch:.0f} GFLOP/s at best, "
-                  + ("used above the crossover" if used else "slower than the native kernels here, not used"))
+        detail = f"present; {onednn}"
     else:
         detail = ("absent: CPUID reports no AMX tiles (amx_tile, amx_bf16)" if "amx_tile" not in feats
-                  else "absent: the OS does not enable AMX tile state (XCR0)") + (
-            "; PyTorch's oneDNN bf16 products are not a candidate path here")
+                  else "absent: the OS does not enable AMX tile state (XCR0)")
+        detail += (f"; AVX512_BF16: {onednn}" if "torch:bf16" in candidate_paths("bf16", var["runnable"])
+                   else "; PyTorch's oneDNN bf16 products (emulated without AMX or AVX512_BF16) are not a candidate path")
     return {"available": True, "isa": ops().isa(), "compiled": var["compiled"], "runnable": var["runnable"],
             "cpu_features": feats, "amx": {"present": has_amx, "mkldnn": torch.backends.mkldnn.is_available(),
                                            "detail": detail},

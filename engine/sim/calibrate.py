@@ -74,7 +74,7 @@ def _host_limits(progress: Progress) -> dict[str, Any]:
     a16, b16 = a.bfloat16(), b.bfloat16()
     bf16 = 2 * 512 * 1024 * 1024 / _time(lambda: a16 @ b16, 5)
     progress("host: compute precision for bf16 weights")
-    auto = str(cpu_compute_dtype(torch.bfloat16, CAL_HIDDEN, CAL_INTER)).replace("torch.", "")
+    auto = str(cpu_compute_dtype(torch.bfloat16, CAL_HIDDEN, CAL_INTER, "auto")).replace("torch.", "")
     return {"mem_bw_bytes_per_s": bw, "peak_flops": {"fp32": fp32, "bf16": bf16}, "auto_compute_dtype": auto}
 
 

@@ -57,7 +57,10 @@ def test_doctor_reports_this_machine(require_component):
     assert report["cpu"]["isa"] == {f: f in flags for f in ISA_FLAGS}
     for name in ("bfloat16", "float16"):
         d = report["compute_dtype"][name]
-        assert d["auto_picks"] in ("float32", name) and set(d["times_s"]) == {"m1", "m16"}
+        assert d["torch_only_picks"] in ("float32", name) and set(d["times_s"]) == {"m1", "m16"}
+        assert d["auto_picks"] == "float32"  # the kernels are available: fp32 activations on the weights as stored
+        assert any(x.startswith(f"compute   {name} checkpoints: auto computes in float32, weights read as stored")
+                   for x in text)
     assert set(report["quant"]["kernels"]["cpu"]) == {"fp32", "bf16", "fp16", "int8", "int4"}
     assert report["cuda"]["available"] is False or report["cuda"]["devices"]
     assert report["problems"] == []

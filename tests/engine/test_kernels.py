@@ -705,8 +705,12 @@ def test_paths_are_measured_once_and_reported():
     flags = set(kernels._cpu_flags().split())
     assert rep["amx"]["present"] == ({"amx_tile", "amx_bf16"} <= flags and "os_amx" in kernels.cpu_features())
     if not rep["amx"]["present"]:
-        assert rep["amx"]["detail"].startswith("absent") and "torch:bf16" not in kernels.candidate_paths(
-            "bf16", _runnable(), False)
+        assert rep["amx"]["detail"].startswith("absent")
+    # oneDNN's bf16 products compete wherever the CPU multiplies bf16 natively (AMX or AVX512_BF16), only there.
+    native_bf16 = rep["amx"]["present"] or "avx512_bf16" in rep["runnable"]
+    assert ("torch:bf16" in kernels.candidate_paths("bf16", rep["runnable"], rep["amx"]["present"])) == native_bf16
+    assert "torch:bf16" not in kernels.candidate_paths("bf16", ["scalar", "avx2", "avx512"], False)
+    assert "torch:bf16" in kernels.candidate_paths("bf16", ["scalar", "avx2", "avx512", "avx512_bf16"], False)
     assert kernels.dispatch_summary().startswith(rep["isa"] + ";")
     with kernels.forced_paths(int8="f32"):
         assert kernels.path("int8", 7) == ":f32" and "int8 :f32 (forced)" in kernels.dispatch_summary()

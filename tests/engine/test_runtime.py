@@ -46,6 +46,22 @@ def test_spellings_of_the_same_weights_reload_nothing(bf16_dir):
         assert not eng.loads_same_weights(eng.config.replace(cpu_kernels="auto"))
 
 
+def test_auto_compute_runs_the_native_kernels_wherever_they_load(bf16_dir):
+    """compute_dtype=auto with the kernels: fp32 activations on the bf16 weights as stored, whatever PyTorch's
+    own bf16 products measure here (the kernels' path table already weighs them per token count)."""
+    from engine import kernels
+    from engine.calibrate import cpu_compute_dtype
+
+    assert kernels.load() is not None, kernels.status()  # CI builds the kernels: their absence is a failure
+    eng = Engine(bf16_dir, EngineConfig())
+    assert (eng.dtype, eng.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert eng.model.native and eng.kernels_label.startswith("native")
+    for stored in (torch.bfloat16, torch.float16):
+        assert cpu_compute_dtype(stored, 64, 32, "auto") == torch.float32
+        assert cpu_compute_dtype(stored, 64, 32, "native") == torch.float32
+    assert cpu_compute_dtype(torch.float32, 64, 32, "auto") == torch.float32
+
+
 def test_a_reconfigure_back_to_a_layout_loaded_before_reuses_its_weights(bf16_dir):
     eng = Engine(bf16_dir, EngineConfig())
     first = eng.model
