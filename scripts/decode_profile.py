@@ -1,16 +1,20 @@
 """Where a decode step's time goes: torch.profiler over a few decode steps of one batch, by op.
 
     python scripts/decode_profile.py --model builtin:qwen3_moe-medium --batch 32 [--steps 10] [--threads 2]
+                                     [--python]
 
 Loads the engine with its defaults (knobs as ``KEY=VALUE`` after the options, e.g.
 ``hi_precision=int8``), warms it up with one short `engine bench` batch, prefills ``--batch``
 prompts of ``--prompt-len`` random tokens, then profiles ``--steps`` decode steps. Prints the step time,
-the decode rate, the kernel paths the engine used and the table of ops by self CPU time.
+the decode rate, the kernel paths the engine used and the table of ops by self CPU time; ``--python``
+profiles with cProfile instead (Python functions by own time: where the glue between the ops goes).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=25, help="ops shown")
+    ap.add_argument("--python", action="store_true", help="cProfile (Python functions) instead of torch.profiler")
     ap.add_argument("knobs", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,7 +56,8 @@ def main() -> None:
                    args.steps + 1)
     while any(not s.decoding for s in engine.running) or engine.waiting:
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    py = cProfile.Profile() if args.python else None
+    with py or profile(activities=[ProfilerActivity.CPU]) as prof:
         n, t = 0, time.perf_counter()
         while engine.has_work and n < args.steps:
             engine.step()
@@ -59,7 +65,10 @@ def main() -> None:
         step_s = (time.perf_counter() - t) / max(1, n)
     print(f"batch {args.batch}: {n} decode steps, {step_s * 1e3:.1f} ms a step, {args.batch / step_s:.1f} tok/s "
           f"(profiled); kernels {kernels.dispatch_summary()}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if py is not None:
+        pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
+    else:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

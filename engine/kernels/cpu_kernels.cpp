@@ -54,7 +54,8 @@
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
 //   qk_rope(qkv[T, Q+2KV], ...) -> q[T,Hq,d], k[T,KV,d], v[T,KV,d]: q/k norms, clipping, rotary
 //   route(logits[T,E], k, renorm) -> (gates[T,k], ids[T,k]): softmax, top-k, renormalisation
-//   decode_attention(q[B,Hq,d], kcache, vcache[S,KV,L,d] f32|bf16, slots[B], lens[B], window, scale)
+//   decode_attention(q[B,Hq,d], kcache, vcache[S,KV,L,d] f32|bf16, slots[B], lens[B], window, scale, k?, v?)
+//       (k, v [B,KV,d]: the step's rows, written into the caches at lens[b]-1 first)
 //
 // Built on first use by engine/kernels/__init__.py with the system C++ compiler (GCC: the variants
 // use `#pragma GCC target`); threads come from PyTorch's OpenMP pool (torch.set_num_threads).
@@ -1157,8 +1158,33 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, int64_t window, double scale) {
+// The step's key and value rows k, v [B, KV, d] (fp32) written at position lens[b] - 1 of slot slots[b],
+// rounded to the cache's dtype as torch's .to() rounds (the write the caller's advanced indexing did).
+template <typename C>
+void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Tensor& vc, const int64_t* sp,
+               const int64_t* lp) {
+  const int64_t B = k.size(0), KV = k.size(1), d = k.size(2), L = kc.size(2);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  C* kd = static_cast<C*>(kc.data_ptr());
+  C* vd = static_cast<C*>(vc.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < KV; ++g) {
+      const int64_t src = (b * KV + g) * d, dst = ((sp[b] * KV + g) * L + lp[b] - 1) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        if constexpr (std::is_same_v<C, float>) {
+          kd[dst + i] = kp[src + i];
+          vd[dst + i] = vp[src + i];
+        } else {
+          kd[dst + i] = f_to_bf16(kp[src + i]);
+          vd[dst + i] = f_to_bf16(vp[src + i]);
+        }
+      }
+    }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, const at::Tensor& slots,
+                            const at::Tensor& lens, int64_t window, double scale, const c10::optional<at::Tensor>& k,
+                            const c10::optional<at::Tensor>& v) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "moetune::decode_attention: q");
   TORCH_CHECK((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) && kc.is_contiguous() &&
                   kc.dim() == 4 && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
@@ -1173,6 +1199,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sp[b] >= 0 && sp[b] < kc.size(0) && lp[b] >= 1 && lp[b] <= L, "moetune::decode_attention: slot ",
                 sp[b], " length ", lp[b], " outside the cache");
+  TORCH_CHECK(k.has_value() == v.has_value(), "moetune::decode_attention: k and v come together");
+  if (k.has_value()) {
+    for (const at::Tensor* t : {&*k, &*v})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == B &&
+                      t->size(1) == KV && t->size(2) == d,
+                  "moetune::decode_attention: k and v must be contiguous float32 [", B, ", ", KV, ", ", d, "]");
+    if (kc.scalar_type() == at::kFloat)
+      append_kv<float>(*k, *v, kc, vc, sp, lp);
+    else
+      append_kv<uint16_t>(*k, *v, kc, vc, sp, lp);
+  }
   at::Tensor out = at::empty_like(q);
   if (kc.scalar_type() == at::kFloat)
     decode_attention_impl<float>(q, kc, vc, sp, lp, window, static_cast<float>(scale), out);
@@ -1231,8 +1268,8 @@ TORCH_LIBRARY(moetune, m) {
   m.def("qk_rope(Tensor qkv, int n_heads, int n_kv, int head_dim, Tensor? q_norm, Tensor? k_norm, str norm, "
         "float eps, float clip, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)", &qk_rope);
   m.def("route(Tensor logits, int k, bool renorm) -> (Tensor, Tensor)", &route);
-  m.def("decode_attention(Tensor q, Tensor kc, Tensor vc, Tensor slots, Tensor lens, int window, float scale) "
-        "-> Tensor", &decode_attention);
+  m.def("decode_attention(Tensor q, Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor lens, int window, "
+        "float scale, Tensor? k=None, Tensor? v=None) -> Tensor", &decode_attention);
   m.def("isa() -> str", &isa);
   m.def("variants() -> (str[], str[])", &variants);
   m.def("set_isa(str name) -> ()", &set_isa);

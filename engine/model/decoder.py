@@ -342,13 +342,14 @@ class MoEDecoder:
         on_host = cache.device != self.device  # decode attention placed on the host: its KV cache lives there
         if on_host:
             q, k, v = q.to(cache.device), k.to(cache.device), v.to(cache.device)
+        if self.native and not on_host and plan.all_decode:
+            # A decode-only step: one call writes the step's keys and values and attends, the cache read in place.
+            out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
+                                                 self.scale, k.contiguous(), v.contiguous())
+            return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
         # Write the step's keys and values into the cache: [slot, head, pos, d] (in the cache's dtype).
         kc[plan.slot_of_token, :, plan.pos_of_token] = k.to(kc.dtype)
         vc[plan.slot_of_token, :, plan.pos_of_token] = v.to(vc.dtype)
-        if self.native and not on_host and plan.all_decode:  # a decode-only step: one call, cache read in place
-            out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
-                                                 self.scale)
-            return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
         out = torch.empty(t, spec.n_heads, spec.head_dim, dtype=self.dtype, device=cache.device)
         if plan.decode_rows is not None:
             qd = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [B, Hq, 1, d]
