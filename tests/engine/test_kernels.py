@@ -499,7 +499,7 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
 # ---------------------------------------------------------------------------------------- ISA variants
 X86 = platform.machine() in ("x86_64", "AMD64")
 F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7)]  # [rows, inner]: tails of rows, lanes and tiles
-Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32)]  # q8/int4 read blocks of 32 activations
+Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160)]  # q8/int4 read blocks of 32; 160: a 128-step loop and its tail
 TOKENS = [1, 2, 3, 5, 9, 70]  # around the 2-4 token register tiles, and past the 64-token block
 
 
