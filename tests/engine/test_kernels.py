@@ -176,6 +176,26 @@ def test_moe_matches_expert_by_expert_reference(dtype, tokens):
     assert torch.equal(listed, _ops().moe(h, w13, w2, ids, gates, ""))
 
 
+@pytest.mark.parametrize("scale", [1e-3, 30.0])
+def test_moe_activation_holds_at_the_ends_of_the_exponential(scale):
+    """The experts' SiLU (a vectorized exp, clamped) against PyTorch's where the gate products are tiny and
+    where they reach hundreds (exp(-g) far beyond fp32's range both ways), on the f32 path of every variant
+    this CPU runs."""
+    g = torch.Generator().manual_seed(7)
+    n_exp, hidden, inter, k, tokens = 4, 64, 48, 2, 6
+    h = torch.randn(tokens, hidden, generator=g) * scale
+    w13 = torch.randn(n_exp, 2 * inter, hidden, generator=g).bfloat16()
+    w2 = (torch.randn(n_exp, hidden, inter, generator=g) / 8).bfloat16()
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(tokens)])
+    gates = torch.rand(tokens, k, generator=g)
+    ref = _moe_reference(h, w13, w2, ids, gates)
+    assert bool(torch.isfinite(ref).all())
+    for variant in ("scalar", "avx2", "avx512"):
+        if variant in _runnable():
+            got = _ops().moe(h, w13, w2, ids, gates, f"{variant}:f32")
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
     h = torch.randn(2, 32)
     w13 = torch.randn(4, 16, 32).bfloat16()
