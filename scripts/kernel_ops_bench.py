@@ -1,12 +1,13 @@
 """Read bandwidth of the native kernels' products at a few tokens (decode), for A/B between builds.
 
     python scripts/kernel_ops_bench.py [--lib A.so --lib B.so] [--precision bf16|int8|int4] [--group 128]
-                                       [--threads 2] [--tokens 1] [--rounds 5]
+                                       [--mode f32|q8|bf16dp|tile] [--threads 2] [--tokens 1] [--rounds 5]
 
 Each library (default: the one this tree builds, `engine.kernels.load()`) is measured in its own process,
 the processes interleaved A B A B ... so that the shared machine's drift hits them alike. A process times
 the products of bf16 weights in the fp32 mode (or int8 weights with a scale per row, or int4 weights in the
-native layout with group scales, in the q8 mode) as decode runs them: a 32000x512 lm head, a 768x512 projection
+native layout with group scales, in the q8 mode; ``--mode`` names another, e.g. bf16dp, on the library's
+best ISA variant) as decode runs them: a 32000x512 lm head, a 768x512 projection
 (64 copies), and one fused MoE layer of the small (4 of 32 experts, 512/320) and medium (8 of 64,
 1024/384) presets, the weights rotating over copies so that they come from memory. Prints a table of
 medians (min-max) in GB/s per library, then one JSON line. The bytes counted are the weights' and their
@@ -26,14 +27,19 @@ import time
 ROW = "--one"
 
 
-def one(lib: str, threads: int, tokens: int, precision: str = "bf16", group: int = 128) -> dict[str, float]:
+def default_mode(precision: str) -> str:
+    return "f32" if precision == "bf16" else "q8"
+
+
+def one(lib: str, threads: int, tokens: int, precision: str = "bf16", group: int = 128,
+        mode: str | None = None) -> dict[str, float]:
     """GB/s of each product with library ``lib`` (this process)."""
     import torch
 
     torch.ops.load_library(lib)
     ops = torch.ops.moetune
     torch.set_num_threads(threads)
-    path = f"{ops.isa()}:{'f32' if precision == 'bf16' else 'q8'}"
+    path = f"{ops.isa()}:{mode or default_mode(precision)}"
     g = torch.Generator().manual_seed(0)
 
     def weight(n: int, k: int, group: int = group) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -105,11 +111,13 @@ def main() -> None:
     p.add_argument("--precision", choices=("bf16", "int8", "int4"), default="bf16",
                    help="the weights' precision: bf16 in the fp32 mode, int8 or int4 in the q8 mode")
     p.add_argument("--group", type=int, default=128, help="int4 group size")
+    p.add_argument("--mode", choices=("f32", "q8", "bf16dp", "tile"), help="arithmetic mode (default: f32 for bf16, "
+                   "else q8)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(ROW, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.lib[0], args.threads, args.tokens, args.precision, args.group)))
+        print(json.dumps(one(args.lib[0], args.threads, args.tokens, args.precision, args.group, args.mode)))
         return
     if not args.lib:
         from engine import kernels
@@ -122,11 +130,13 @@ def main() -> None:
         for lib in args.lib:
             cmd = [sys.executable, __file__, ROW, "--lib", lib, "--threads", str(args.threads), "--tokens",
                    str(args.tokens), "--precision", args.precision, "--group", str(args.group)]
+            cmd += ["--mode", args.mode] if args.mode else []
             res = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[lib].append(json.loads(res.stdout.strip().splitlines()[-1]))
     summary = {lib: {op: {"median_gb_per_s": statistics.median(r[op] for r in rs), "min": min(r[op] for r in rs),
                           "max": max(r[op] for r in rs)} for op in rs[0]} for lib, rs in runs.items()}
-    print(f"GB/s read, {args.precision} weights ({'f32' if args.precision == 'bf16' else 'q8'} mode), {args.threads} "
+    mode = args.mode or default_mode(args.precision)
+    print(f"GB/s read, {args.precision} weights ({mode} mode), {args.threads} "
           f"threads, {args.tokens} token(s), median (min-max) of {args.rounds} interleaved runs")
     ops_ = list(next(iter(summary.values())))
     print("library".ljust(30) + "".join(op.rjust(24) for op in ops_))
@@ -134,7 +144,8 @@ def main() -> None:
         label = "/".join(lib.split("/")[-2:])[-30:]
         print(label.ljust(30) + "".join(f"{s[op]['median_gb_per_s']:.1f} ({s[op]['min']:.1f}-{s[op]['max']:.1f})".rjust(24)
                                         for op in ops_))
-    print(json.dumps({"precision": args.precision, "group": args.group, "threads": args.threads, "tokens": args.tokens,
+    print(json.dumps({"precision": args.precision, "mode": mode, "group": args.group, "threads": args.threads,
+                      "tokens": args.tokens,
                       "rounds": args.rounds, "libraries": summary}))
 
 
