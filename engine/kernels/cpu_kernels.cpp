@@ -281,7 +281,7 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
 }
 
 // g[i] = silu(g[i]) * u[i] = g u / (1 + exp(-g)): the experts' activation, 16 or 8 lanes at a time (a
-// scalar std::exp per value was 12 % of a fused MoE layer at 4-16 tokens an expert).
+// scalar std::exp per value: 1.74 ms of one core for a 128-token prefill layer's 393K values, 0.12 ms so).
 inline void silu_mul(float* g, const float* u, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
