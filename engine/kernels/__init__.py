@@ -423,6 +423,15 @@ def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                       _fit(p, min(w13.shape[2], w2.shape[2])))
 
 
+def moe_stacked(h: torch.Tensor, experts, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """:func:`moe` for stacked experts in any precision the kernels read: ``experts`` is an
+    :class:`engine.moe.experts.StackedExperts` (int8 with row scales, int4 in the native layout with group
+    scales, or bf16/fp16), one tensor per weight and scale with the experts along its first dimension."""
+    p = native_path(experts.precision, max(1, round(ids.numel() / experts.n_experts)))
+    return load().moe(h.contiguous(), experts.w13, experts.w2, ids.contiguous(), gates.float().contiguous(),
+                      _fit(p, min(experts.hidden, experts.inter)), experts.s13, experts.s2, experts.group_size or 0)
+
+
 def moe_experts(h: torch.Tensor, w13: list, w2: list, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """:func:`moe` with the experts given per expert: bf16/fp16 tensors or int8/``int4_native``
     :class:`engine.moe.quant.QWeight` (one precision per call), None for experts no token routes to."""

@@ -39,7 +39,8 @@
 //   linear(x[T,K] f32, w[N,K] bf16|f16|f32, bias[N] f32?) -> [T,N] f32 (the default variant, f32 mode)
 //   linear_q(x, w, scales?, group, n_out, path, bias?) -> [T,n_out] f32: any weight format, any path
 //   linear_int8(x[T,K] f32, q[N,K] int8, scales[N]) -> [T,N] f32 (f32 mode)
-//   moe(h[T,H] f32, w13[E,2I,H], w2[E,H,I], ids[T,k] i64 (-1 = skipped), gates[T,k] f32) -> [T,H] f32
+//   moe(h[T,H] f32, w13[E,2I,H], w2[E,H,I], ids[T,k] i64 (-1 = skipped), gates[T,k] f32, path, s13?, s2?, group)
+//     -> [T,H] f32: stacked experts in any weight format (int8/int4 with their stacked scales)
 //   moe_list / moe_list_int8: moe with the experts as lists of per-expert tensors (None where unrouted)
 //   moe_q(h, w13[], s13[], w2[], s2[], ids, gates, group, path): moe for any weight format and path
 //   quantize_q8(x[T,K], group) -> (q int8 [T,K], d f32 [T,K/32], group sums f32 [T,K/group]): the
@@ -934,35 +935,64 @@ at::Tensor moe_q(const at::Tensor& h, const OptTensors& w13_list, const OptTenso
   return run_moe(h, job, p, ids, gates, path);
 }
 
-// Stacked bf16/fp16 experts: views into the two tensors, no per-expert tensor objects.
+// Stacked experts: pointers into the two tensors (and their scales), no per-expert tensor objects.
+//   bf16/fp16: w13 [E, 2I, H], w2 [E, H, I]
+//   int8:      w13 [E, 2I, H], s13 [E, 2I]; w2 [E, H, I], s2 [E, H] (bf16 or fp32 row scales)
+//   int4:      w13 [E, 2I padded to 16, H/2] bytes, s13 bf16 [E, H/G, 2I padded, 2]; w2 [E, H padded, I/2],
+//              s2 [E, I/G, H padded, 2] (each expert's matrix in the native int4 layout, see the header)
+// Expert 0 is checked as one matrix (make_mat); the others are the same shapes at fixed strides.
 at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
-               const at::Tensor& gates, const std::string& path) {
+               const at::Tensor& gates, const std::string& path, const std::optional<at::Tensor>& s13,
+               const std::optional<at::Tensor>& s2, int64_t group) {
   check_routes(h, ids, gates);
-  check_weight(w13, "moe");
-  check_weight(w2, "moe");
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moetune::moe: w13 and w2 dtypes differ");
-  const int64_t E = w13.size(0), inter = w2.size(2), H = h.size(1);
-  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(1) == 2 * inter && w13.size(2) == H &&
-                  w2.size(0) == E && w2.size(1) == H,
-              "moetune::moe: expert shapes ", w13.sizes(), " and ", w2.sizes(), " do not fit hidden size ", H);
   const Fmt fmt = fmt_of(w13);
+  TORCH_CHECK(fmt != Fmt::F32, "moetune::moe: expert weights must be bf16, fp16, int8 or int4");
+  if (fmt == Fmt::Bf16 || fmt == Fmt::F16) {
+    check_weight(w13, "moe");
+    check_weight(w2, "moe");
+  }
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.is_contiguous() &&
+                  w2.is_contiguous(),
+              "moetune::moe: stacked experts must be contiguous [E, rows, cols] tensors, got ", w13.sizes(), " and ",
+              w2.sizes());
+  const bool scaled = fmt == Fmt::I8 || fmt == Fmt::I4;
+  TORCH_CHECK(scaled == (s13.has_value() && s2.has_value()), "moetune::moe: ",
+              scaled ? "int8/int4 experts need their scales" : "float experts take no scales");
+  const int64_t E = w13.size(0), H = h.size(1);
+  const int64_t inter = fmt == Fmt::I4 ? w2.size(2) * 2 : w2.size(2);
   const Path p = parse_path(path, fmt);
   if (p.kind == Kind::Bf16Dp || p.kind == Kind::Bf16Tile)
     TORCH_CHECK(H % kQBlock == 0 && inter % kQBlock == 0, "moetune::moe: the ",
                 p.kind == Kind::Bf16Dp ? "bf16dp" : "tile", " mode needs sizes divisible by 32, got ", H, " and ", inter);
+  const at::Tensor a13 = scaled ? *s13 : at::Tensor(), a2 = scaled ? *s2 : at::Tensor();
+  if (scaled)
+    TORCH_CHECK(a13.size(0) == E && a2.size(0) == E && a13.is_contiguous() && a2.is_contiguous(),
+                "moetune::moe: stacked scales must be contiguous with one entry per expert, got ", a13.sizes(), " and ",
+                a2.sizes());
   MoeJob job;
   job.T = h.size(0);
   job.H = H;
   job.inter = inter;
+  job.G = group;
   job.w13.resize(E);
   job.w2.resize(E);
-  const auto* a = static_cast<const uint16_t*>(w13.data_ptr());
-  const auto* b = static_cast<const uint16_t*>(w2.data_ptr());
+  if (E == 0) return at::zeros({job.T, H}, h.options());
+  const Mat m13 = make_mat(w13.select(0, 0), scaled ? a13.select(0, 0) : at::Tensor(), fmt, 2 * inter, H, group,
+                           p.kind, "moe");
+  const Mat m2 = make_mat(w2.select(0, 0), scaled ? a2.select(0, 0) : at::Tensor(), fmt, H, inter, group, p.kind,
+                          "moe");
+  const int64_t wb = w13.element_size(), sb = scaled ? a13.element_size() : 0;
   for (int64_t e = 0; e < E; ++e) {
-    job.w13[e].w = a + e * 2 * inter * H;
-    job.w13[e].ld = H;
-    job.w2[e].w = b + e * H * inter;
-    job.w2[e].ld = inter;
+    Mat x = m13, y = m2;
+    x.w = static_cast<const char*>(m13.w) + e * w13.stride(0) * wb;
+    y.w = static_cast<const char*>(m2.w) + e * w2.stride(0) * wb;
+    if (x.sc16) x.sc16 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(m13.sc16) + e * a13.stride(0) * sb);
+    if (y.sc16) y.sc16 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(m2.sc16) + e * a2.stride(0) * sb);
+    if (x.sc32) x.sc32 = m13.sc32 + e * a13.stride(0);
+    if (y.sc32) y.sc32 = m2.sc32 + e * a2.stride(0);
+    job.w13[e] = x;
+    job.w2[e] = y;
   }
   return run_moe(h, job, p, ids, gates, path);
 }
@@ -1295,7 +1325,8 @@ TORCH_LIBRARY(moetune, m) {
   m.def("quantize_q8(Tensor x, int group) -> (Tensor, Tensor, Tensor)", &quantize_q8);
   m.def("quantize_int8(Tensor w) -> (Tensor, Tensor)", &quantize_int8);
   m.def("quantize_int4(Tensor w, int group, int n_pad, str pack) -> (Tensor, Tensor)", &quantize_int4);
-  m.def("moe(Tensor h, Tensor w13, Tensor w2, Tensor ids, Tensor gates, str path='') -> Tensor", &moe);
+  m.def("moe(Tensor h, Tensor w13, Tensor w2, Tensor ids, Tensor gates, str path='', Tensor? s13=None, "
+        "Tensor? s2=None, int group=0) -> Tensor", &moe);
   m.def("moe_list(Tensor h, Tensor?[] w13, Tensor?[] w2, Tensor ids, Tensor gates) -> Tensor", &moe_list);
   m.def("moe_list_int8(Tensor h, Tensor?[] q13, Tensor?[] s13, Tensor?[] q2, Tensor?[] s2, Tensor ids, "
         "Tensor gates) -> Tensor", &moe_list_int8);

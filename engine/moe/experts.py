@@ -26,7 +26,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,8 +42,8 @@ from engine.moe.policy.controller import PlanSettings, ResidencyController
 from engine.moe.policy.plan import DecisionLog, ExpertRun, LayerDecision, PartPlan, StepMoves, TierStats
 from engine.precision import FLOAT_PRECISIONS, expert_nbytes, precision_of, torch_dtype
 
-__all__ = ["ExpertHandle", "ExpertVersion", "Grouped", "HybridExperts", "expert_nbytes", "fused_moe",
-           "make_version", "precision_of", "swiglu"]
+__all__ = ["ExpertHandle", "ExpertVersion", "Grouped", "HybridExperts", "StackedExperts", "expert_nbytes",
+           "fused_moe", "make_version", "precision_of", "stack_versions", "swiglu"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,48 @@ def make_version(w13: torch.Tensor, w2: torch.Tensor, precision: str, device: to
 
 
 
+@dataclass(frozen=True, eq=False)
+class StackedExperts:
+    """Every expert of one MoE layer in one integer precision, stacked along a first dimension, as the
+    native kernels' stacked MoE op reads them (:func:`engine.kernels.moe_stacked`): one call per layer
+    with no per-expert tensor objects to pass. ``w13`` [E, 2I, H] and ``w2`` [E, H, I] as int8 with row
+    scales ``s13`` [E, 2I] and ``s2`` [E, H], or int4 in the native layout with group scales."""
+
+    precision: str
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    group_size: int | None
+    hidden: int
+    inter: int
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+
+def stack_versions(versions: Sequence[ExpertVersion]) -> tuple[StackedExperts, list[ExpertVersion]]:
+    """One layer's experts, each an int8 or ``int4_native`` host version in one precision, stacked into one
+    tensor per weight and scale; returns the stack and the versions rebuilt as views into it (the same
+    bits: replacing the originals with them keeps one copy in memory)."""
+    first = versions[0]
+    a, b = first.w13, first.w2
+    st = StackedExperts(first.precision, torch.stack([v.w13.data for v in versions]),
+                        torch.stack([v.w13.scales for v in versions]), torch.stack([v.w2.data for v in versions]),
+                        torch.stack([v.w2.scales for v in versions]), a.group_size, a.shape[1], b.shape[1])
+    views = [ExpertVersion(replace(v.w13, data=st.w13[e], scales=st.s13[e]),
+                           replace(v.w2, data=st.w2[e], scales=st.s2[e]), v.precision, v.device, v.nbytes)
+             for e, v in enumerate(versions)]
+    return st, views
+
+
+def stackable(v: ExpertVersion | None, precision: str) -> bool:
+    """Whether ``v`` is a host version in ``precision`` that the native stacked MoE op reads."""
+    return (v is not None and v.precision == precision and v.device.type == "cpu"
+            and (precision == "int8" or (precision == "int4" and v.w13.layout == "int4_native")))
+
+
 @dataclass
 class SmPartition:
     """A CUDA green context holding ``expert_sms`` of the device's ``sms`` SMs and a stream on it, for expert
@@ -166,9 +208,23 @@ class VersionCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._kept: dict[tuple[Any, ...], ExpertVersion] = {}
+        self._stacks: dict[tuple[Any, ...], tuple[StackedExperts, list[ExpertVersion]]] = {}
 
     def get(self, key: tuple[Any, ...]) -> ExpertVersion | None:
         return self._kept.get(key)
+
+    def stacked(self, key: tuple[Any, ...]) -> tuple[StackedExperts, list[ExpertVersion]] | None:
+        """A layer's experts stacked by :meth:`keep_stacked` under ``key``, with their view versions."""
+        return self._stacks.get(key)
+
+    def keep_stacked(self, key: tuple[Any, ...], stacked: StackedExperts, views: list[ExpertVersion],
+                     expert_keys: Sequence[tuple[Any, ...]]) -> None:
+        """Keep a layer's stack when every one of its experts was kept (``expert_keys``): the kept
+        versions become the views into it, so the stack takes no bytes beyond theirs."""
+        if all(k in self._kept for k in expert_keys):
+            for k, v in zip(expert_keys, views, strict=True):
+                self._kept[k] = v
+            self._stacks[key] = (stacked, views)
 
     def put(self, key: tuple[Any, ...], version: ExpertVersion) -> None:
         if key not in self._kept and self.bytes + version.nbytes <= self.max_bytes:
@@ -308,6 +364,8 @@ class HybridExperts:
         self._replica_streams: list[torch.cuda.Stream] = []
         self.inert: dict[str, str] = {}
         self.expert_stream = self._sm_partition_stream()
+        # Per MoE layer, its experts stacked (int8/int4 on the host, trivial plans): one native call a layer.
+        self._stacked: dict[int, StackedExperts] = {}
         # Host versions: the weights as loaded, in host memory (pinned with a GPU). When every expert
         # stays resident in the loaded precision, the loaded weights are the fast copies.
         self.all_as_loaded = settings.resident_as_loaded
@@ -355,6 +413,32 @@ class HybridExperts:
                 elif h.fast is None or h.fast.precision != want:
                     h.fast = self._version(layer, e, want)
                 h.replicas = ()
+        self._stack()
+
+    def _stack(self) -> None:
+        """Where every plan is trivial (every expert resident in ``hi``, one product per step, no moves) and
+        the resident copies are int8/int4 host versions the native kernels read, stack each layer's copies:
+        the layer then runs in one native call with no per-expert arguments to marshal (at one token a
+        layer, the lists cost more than the products' difference between int8 and bf16). The handles get
+        views into the stack, so memory holds one copy."""
+        self._stacked = {}
+        if not (self.settings.trivial and self.native and self.device.type == "cpu" and self.hi in ("int8", "int4")):
+            return
+        for layer in self.moe_layers:
+            hs = self.handles[layer]
+            key = (layer, self.hi, self.group, self.native)
+            kept = self.versions.stacked(key) if self.versions is not None else None
+            if kept is None:
+                if not all(stackable(h.fast, self.hi) for h in hs):
+                    continue
+                st, views = stack_versions([h.fast for h in hs])  # type: ignore[misc]
+                if self.versions is not None:
+                    self.versions.keep_stacked(key, st, views, [(layer, e, *key[1:]) for e in range(len(hs))])
+            else:
+                st, views = kept
+            for h, v in zip(hs, views, strict=True):
+                h.fast = v
+            self._stacked[layer] = st
 
     def _precision(self, code: int) -> str | None:
         return self.hi if code == 2 else self.lo if code == 1 else None
@@ -409,9 +493,11 @@ class HybridExperts:
         one waits for it), replica counts are built now."""
         for m in (*moves.demotions, *moves.promotions):
             layer = self.moe_layers[m.layer]
+            self._stacked.pop(layer, None)
             self._copy_async(layer, m.expert, self._precision({"hi": 2, "lo": 1, "host": 0}[m.dst]))
         for change in moves.replicas:
             layer = self.moe_layers[change.layer]
+            self._stacked.pop(layer, None)
             self.handles[layer][change.expert].replicas = tuple(
                 self._version(layer, change.expert, self.hi) for _ in range(change.replicas))
 
@@ -448,6 +534,10 @@ class HybridExperts:
         assert self.controller is not None
         if decision is None:
             decision = self.controller.plan_layer(self.layer_index[layer], ids.cpu().numpy())
+        stacked = self._stacked.get(layer)
+        if (stacked is not None and decision.trivial and h.device.type == "cpu"
+                and kernels.fused_moe(stacked.precision, ids.numel() / stacked.n_experts)):
+            return kernels.moe_stacked(h, stacked, ids, weights)
         out = torch.empty_like(h)  # every row belongs to one micro-batch
         stream = self.expert_stream
         if stream is not None:

@@ -223,6 +223,26 @@ def test_bad_inputs_are_refused_with_the_reason():
         kernels.linear(x.bfloat16(), torch.randn(4, 16).half())
 
 
+def test_stacked_moe_refuses_missing_or_misshapen_scales():
+    from engine.moe import quant
+
+    h, ids, gates = torch.randn(2, 64), torch.tensor([[0, 1], [1, -1]]), torch.rand(2, 2)
+    q13 = [quant.quantize(torch.randn(32, 64), "int8") for _ in range(2)]
+    q2 = [quant.quantize(torch.randn(64, 16), "int8") for _ in range(2)]
+    w13, w2 = torch.stack([q.data for q in q13]), torch.stack([q.data for q in q2])
+    s13, s2 = torch.stack([q.scales for q in q13]), torch.stack([q.scales for q in q2])
+    with pytest.raises(RuntimeError, match="need their scales"):
+        _ops().moe(h, w13, w2, ids, gates, "")
+    with pytest.raises(RuntimeError, match="one entry per expert"):
+        _ops().moe(h, w13, w2, ids, gates, "", s13[:1], s2, 0)
+    with pytest.raises(RuntimeError, match="row scales"):
+        _ops().moe(h, w13, w2, ids, gates, "", s13[:, :5].contiguous(), s2, 0)
+    with pytest.raises(RuntimeError, match="take no scales"):
+        _ops().moe(h, w13.bfloat16(), w2.bfloat16(), ids, gates, "", s13, s2, 0)
+    with pytest.raises(RuntimeError, match=r"are not \[32, 48\]"):
+        _ops().moe(torch.randn(2, 48), w13, w2, ids, gates, "", s13, s2, 0)
+
+
 def test_norms_match_pytorch():
     from engine.model.decoder import rms_norm
 
@@ -512,6 +532,14 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
             x = torch.randn(2, eng.spec.hidden_size)
             ref13 = torch.stack([_product(v.w13, mode == "q8")(row) for row in x])
             torch.testing.assert_close(v.linear13(x, native=True), ref13, rtol=1e-5, atol=1e-5)
+    # Trivial plans: each layer's experts stacked, the handles' versions views into the stack (one copy in
+    # memory), one stacked call a layer that gives the list call's bits; a reconfigure reuses the stack.
+    st = hybrid._stacked[layer]
+    assert sorted(hybrid._stacked) == list(eng.spec.moe_layers) and st.precision == precision
+    assert v.w13.data.data_ptr() == st.w13.data_ptr() and v.w2.scales.data_ptr() == st.s2.data_ptr()
+    assert torch.equal(hybrid.forward(layer, h, gates, ids), hybrid._run_fused(layer, h, gates, ids))
+    eng.reconfigure(eng.config.replace(max_batch_seqs=3))
+    assert eng.model.hybrid._stacked[layer].w13.data_ptr() == st.w13.data_ptr()
     res = evaluate(eng, [list(range(3, 40))])
     assert res["top1_agreement"] > 0.9
 
@@ -615,6 +643,11 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode):
     unused = set(range(n_exp - 4, n_exp))
     drop = [None if e in unused else w for e, w in enumerate(d13)], [None if e in unused else w for e, w in enumerate(d2)]
     got = _ops().moe_q(h, drop[0], s13, drop[1], s2, ids, gates, group, f"{variant}:{mode}")
+    # The same experts stacked (one tensor per weight and scale, as trivial plans run int8/int4 experts) give
+    # the same bits: the experts no token routes to are never read.
+    stacked = (torch.stack(d13), torch.stack(d2)) + ((torch.stack(s13), torch.stack(s2)) if s13 else (None, None))
+    assert torch.equal(_ops().moe(h, stacked[0], stacked[1], ids, gates, f"{variant}:{mode}", stacked[2], stacked[3],
+                                  group if fmt == "int4" else 0), got)
     if mode in ("bf16dp", "tile"):
         ref = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
