@@ -19,6 +19,7 @@ from tuner.capacity import (
     rerun_step,
 )
 from tuner.stats import (
+    MIN_EFFECT,
     NO_GAIN,
     describe_gain,
     gain_interval,
@@ -155,6 +156,15 @@ def test_intervals_gains_and_verdicts():
     assert boot.method.startswith("bootstrap") and boot == gain_interval(a, b)
     assert boot.median == pytest.approx(2.05) and verdict(boot) == "gain"
     assert 1.7 < boot.lo <= boot.median <= boot.hi < 2.4
+    # An offset under MIN_EFFECT is no verdict even when the runs are tight enough to exclude 1.
+    near = gain_interval([13.4, 13.5, 13.6, 13.5, 13.4], [13.9, 14.0, 13.95, 14.0, 13.9])
+    assert near.hi < 1.0 < 1.0 + MIN_EFFECT and near.median > 1.0 / (1.0 + MIN_EFFECT)
+    assert verdict(near) == NO_GAIN and describe_gain(near, "defaults").endswith(f"{NO_GAIN} (under 5%)")
+    up = gain_interval([14.0, 14.1, 14.2, 14.1, 14.0], [13.4, 13.5, 13.6, 13.5, 13.4])
+    assert up.lo > 1.0 and verdict(up) == NO_GAIN
+    clear = gain_interval([14.4, 14.5, 14.6, 14.5, 14.4], [13.4, 13.5, 13.6, 13.5, 13.4])
+    assert clear.median > 1.0 + MIN_EFFECT and verdict(clear) == "gain"
+    assert verdict(gain_interval([13.4, 13.5, 13.6, 13.5, 13.4], [14.4, 14.5, 14.6, 14.5, 14.4])) == "loss"
 
 
 def test_reversing_every_other_round_keeps_a_steady_drift_from_favouring_the_first_config():

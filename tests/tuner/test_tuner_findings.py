@@ -4,6 +4,7 @@ when nothing acts, it says so. Real studies on the tiny model (offline replays: 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from sqlalchemy import select
@@ -19,7 +20,7 @@ from tuner.importance import param_importance, verdict
 from tuner.repeats import NoisePhase, confirm
 from tuner.report import print_report
 from tuner.space import build_space
-from tuner.stats import NO_GAIN
+from tuner.stats import MIN_EFFECT, NO_GAIN
 from tuner.study import enqueue_baselines, run_trials
 from workloads.synth import synth_workload
 
@@ -85,7 +86,8 @@ def test_when_nothing_acts_the_finding_says_no_gain_beyond_noise(sqlite_url, wir
     conf = report["confirmation"]
     (g,) = conf["gains"]
     assert g["baseline"] == "defaults" and g["verdict"] == NO_GAIN and g["gain"]["method"].startswith("bootstrap")
-    assert g["gain"]["lo"] <= 1 <= g["gain"]["hi"]
+    # The interval holds 1, or the medians are within MIN_EFFECT: offsets that outlast a run (stats.py).
+    assert g["gain"]["lo"] <= 1 <= g["gain"]["hi"] or abs(math.log(g["gain"]["median"])) < math.log1p(MIN_EFFECT)
     print_report(report)
     out = capsys.readouterr().out
     assert "finding: no config beats the defaults beyond noise on this machine" in out
