@@ -86,6 +86,8 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
         "achieved_gflop_per_s": decode["flop_per_step"] / step_med / 1e9,
         "mem_bw_gb_per_s": bw,
         "decode_paths": {"dense": decode["dense_path"], "experts": decode["expert_path"]},
+        # Decode steps that ran every layer in one native call (MoEDecoder._decode_stack), of all decode steps.
+        "decode_steps_fused": engine.model.stats.fused_steps / len(step_s) if step_s else 0.0,
         "bandwidth_roofline_decode_tokens_per_s": decode["bandwidth_roofline_tokens_per_s"],
         "compute_roofline_decode_tokens_per_s": decode["compute_roofline_tokens_per_s"],
         "roofline_decode_tokens_per_s": decode["roofline_tokens_per_s"],

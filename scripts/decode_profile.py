@@ -1,13 +1,15 @@
 """Where a decode step's time goes: torch.profiler over a few decode steps of one batch, by op.
 
     python scripts/decode_profile.py --model builtin:qwen3_moe-medium --batch 32 [--steps 10] [--threads 2]
-                                     [--python]
+                                     [--python] [--per-op]
 
 Loads the engine with its defaults (knobs as ``KEY=VALUE`` after the options, e.g.
 ``hi_precision=int8``), warms it up with one short `engine bench` batch, prefills ``--batch``
 prompts of ``--prompt-len`` random tokens, then profiles ``--steps`` decode steps. Prints the step time,
 the decode rate, the kernel paths the engine used and the table of ops by self CPU time; ``--python``
 profiles with cProfile instead (Python functions by own time: where the glue between the ops goes).
+Decode steps the engine runs fused (every layer in one native call: MoEDecoder._decode_stack) show as one
+op; ``--per-op`` runs them op by op, as before the fused step, to see each op.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=25, help="ops shown")
     ap.add_argument("--python", action="store_true", help="cProfile (Python functions) instead of torch.profiler")
+    ap.add_argument("--per-op", action="store_true", help="decode steps op by op, not fused (see each op)")
     ap.add_argument("knobs", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,6 +52,7 @@ def main() -> None:
     except ConfigError as e:
         ap.error(str(e))
     engine = Engine(args.model, config)
+    engine.model.fuse_decode = not args.per_op
     bench_batch(engine, args.batch, args.prompt_len, 4)  # warm-up: sizes the engine for this batch
     g = torch.Generator().manual_seed(1)
     for i in range(args.batch):
@@ -58,13 +62,14 @@ def main() -> None:
         engine.step()
     py = cProfile.Profile() if args.python else None
     with py or profile(activities=[ProfilerActivity.CPU]) as prof:
+        fused0 = engine.model.stats.fused_steps
         n, t = 0, time.perf_counter()
         while engine.has_work and n < args.steps:
             engine.step()
             n += 1
         step_s = (time.perf_counter() - t) / max(1, n)
     print(f"batch {args.batch}: {n} decode steps, {step_s * 1e3:.1f} ms a step, {args.batch / step_s:.1f} tok/s "
-          f"(profiled); kernels {kernels.dispatch_summary()}")
+          f"(profiled), {engine.model.stats.fused_steps - fused0} of them fused; kernels {kernels.dispatch_summary()}")
     if py is not None:
         pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
     else:

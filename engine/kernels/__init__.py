@@ -414,22 +414,26 @@ def fused_moe(precision: str | torch.dtype, tokens_per_expert: float) -> bool:
     return not path(prec, max(1, round(tokens_per_expert))).startswith("torch:")
 
 
+def moe_path(precision: str, tokens_per_expert: float, hidden: int, inter: int) -> str:
+    """The native path of a fused MoE layer whose experts see ``tokens_per_expert`` tokens on average."""
+    return _fit(native_path(precision, max(1, round(tokens_per_expert))), min(hidden, inter))
+
+
 def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
         gates: torch.Tensor) -> torch.Tensor:
     """Routed experts of T tokens in one call: h [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] (bf16/fp16),
     ids [T, k] int64 (-1 skips a slot), gates [T, k] fp32; returns the gate-weighted sum [T, H] fp32."""
-    p = native_path(_PRECISION_OF[w13.dtype], max(1, round(ids.numel() / w13.shape[0])))
-    return load().moe(h.contiguous(), w13, w2, ids.contiguous(), gates.float().contiguous(),
-                      _fit(p, min(w13.shape[2], w2.shape[2])))
+    p = moe_path(_PRECISION_OF[w13.dtype], ids.numel() / w13.shape[0], w13.shape[2], w2.shape[2])
+    return load().moe(h.contiguous(), w13, w2, ids.contiguous(), gates.float().contiguous(), p)
 
 
 def moe_stacked(h: torch.Tensor, experts, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """:func:`moe` for stacked experts in any precision the kernels read: ``experts`` is an
     :class:`engine.moe.experts.StackedExperts` (int8 with row scales, int4 in the native layout with group
     scales, or bf16/fp16), one tensor per weight and scale with the experts along its first dimension."""
-    p = native_path(experts.precision, max(1, round(ids.numel() / experts.n_experts)))
-    return load().moe(h.contiguous(), experts.w13, experts.w2, ids.contiguous(), gates.float().contiguous(),
-                      _fit(p, min(experts.hidden, experts.inter)), experts.s13, experts.s2, experts.group_size or 0)
+    p = moe_path(experts.precision, ids.numel() / experts.n_experts, experts.hidden, experts.inter)
+    return load().moe(h.contiguous(), experts.w13, experts.w2, ids.contiguous(), gates.float().contiguous(), p,
+                      experts.s13, experts.s2, experts.group_size or 0)
 
 
 def moe_experts(h: torch.Tensor, w13: list, w2: list, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,9 @@ class LayerWeights:
     mlp_w2: torch.Tensor | None = None  # [H, D]
 
 
+_HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
     xf = x.float()
@@ -171,6 +174,9 @@ class MoEDecoder:
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
         self.expert_device = expert_device or device
         self.stats = MoEStats()  # tokens routed per expert, counted once per step and MoE layer
+        # The fused decode step: ((cache serial, capacity), DecodeStack, expert precision, the executor's
+        # stacked experts it holds); see _decode_stack.
+        self._stack: tuple[tuple[object, object], object, str, object] | None = None
         self.hybrid = None  # engine.moe.experts.HybridExperts when the config is not the plain one
         self.version_cache = None  # engine.moe.experts.VersionCache: int8/int4 experts built from these weights
         # engine.parallel.ep.EPExperts under expert parallelism: this rank's experts (then the routed
@@ -183,6 +189,9 @@ class MoEDecoder:
         self.top_k_override = 0
         self.min_gate_weight = 0.0
         self.record_routes = False
+        # Decode-only steps in one native call where they can (_decode_stack); False runs them op by op, as
+        # prompt steps run (the same ops, the same bits: for comparisons and tests).
+        self.fuse_decode = True
         self.routes: list[RouteRecord] = []
         spec = self.spec
         self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
@@ -238,6 +247,16 @@ class MoEDecoder:
         return w13, w2
 
     @property
+    def hybrid(self):
+        """The hybrid expert executor (engine.moe.experts.HybridExperts), or None for the plain config."""
+        return self._hybrid
+
+    @hybrid.setter
+    def hybrid(self, executor) -> None:
+        self._hybrid = executor
+        self._stack = None  # the fused decode step holds the experts it ran on: rebuilt on next use
+
+    @property
     def controller(self) -> ResidencyController:
         """Who plans the experts of every MoE layer: the hybrid executor's controller, or the plain one."""
         return self.hybrid.controller if self.hybrid is not None else self._plain
@@ -280,14 +299,18 @@ class MoEDecoder:
         plan = _AttentionPlan(batch, cache, cache.device)
         if self.record_routes:
             self.routes = []
-        h = self._norm(x, self.layers[0].ln1)
-        for i, lw in enumerate(self.layers):
-            h = self._add_norm(x, self._attention(i, lw, h, cos, sin, plan, cache), lw.ln2)
-            y = self._moe(i, lw, h) if lw.router is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
-            if i + 1 < len(self.layers):
-                h = self._add_norm(x, y, self.layers[i + 1].ln1)
-            else:
-                x.add_(y)
+        stack = self._decode_stack(plan, cache)
+        if stack is not None:
+            self._fused_decode(stack, x, cos, sin, plan)
+        else:
+            h = self._norm(x, self.layers[0].ln1)
+            for i, lw in enumerate(self.layers):
+                h = self._add_norm(x, self._attention(i, lw, h, cos, sin, plan, cache), lw.ln2)
+                y = self._moe(i, lw, h) if lw.router is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
+                if i + 1 < len(self.layers):
+                    h = self._add_norm(x, y, self.layers[i + 1].ln1)
+                else:
+                    x.add_(y)
         if batch.all_logits:
             rows = list(range(batch.n_tokens))
         else:
@@ -297,6 +320,82 @@ class MoEDecoder:
         xr = x.index_select(0, torch.tensor(rows, device=self.device))
         xr = rms_norm(xr, self.final_norm, spec.rms_eps)
         return self._linear(xr, self.lm_head).float()  # [S', V]
+
+    # ------------------------------------------------------------------ the fused decode step
+    def _stacked_experts(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                             torch.Tensor | None, int]] | None:
+        """Per MoE layer, the experts a fused decode step runs on: (precision, w13, s13, w2, s2, group). The
+        loaded stacked weights for the plain config; the hybrid executor's stacked copies where its plans are
+        trivial (every expert resident in one integer precision); None where the plans need the executor."""
+        if self.hybrid is None:
+            if any(lw.router is not None and lw.w13 is None for lw in self.layers):
+                return None
+            prec = _HALF_NAMES[self.weight_dtype]
+            return [(prec, lw.w13, None, lw.w2, None, 0) for lw in self.layers if lw.router is not None]
+        stacked = self.hybrid.stacked
+        if stacked is None:
+            return None
+        return [(st.precision, st.w13, st.s13, st.w2, st.s2, st.group_size or 0) for st in stacked]
+
+    def _decode_stack(self, plan: _AttentionPlan, cache: KVCache):
+        """The fused decode step (``moetune::DecodeStack``) for this step, or None where the per-op path must
+        run it: a step with prompt tokens, decode attention on another device, expert parallelism, routing
+        overrides (pruned in Python), plans that need the hybrid executor, or too many tokens per expert for
+        the native MoE (PyTorch's GEMM, expert by expert). Built once per set of weights and experts; the
+        KV cache is handed over again whenever it was reallocated."""
+        if not (self.fuse_decode and self.native and plan.all_decode and cache.device == self.device and self.device.type == "cpu"
+                and self.ep is None and self.top_k_override == 0 and self.min_gate_weight <= 0
+                and self.controller.settings.trivial):
+            return None
+        spec = self.spec
+        if self._stack is not None and self.hybrid is not None and self._stack[3] is not self.hybrid.stacked:
+            self._stack = None  # the executor's stacked copies changed (or were dropped) since the build
+        if self._stack is None:
+            experts = self._stacked_experts()
+            if experts is None:
+                return None
+            stack = torch.classes.moetune.DecodeStack(spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.rms_eps,
+                                                      spec.qk_norm, float(spec.clip_qkv or 0.0),
+                                                      spec.sliding_window or 0, self.scale, spec.top_k,
+                                                      spec.norm_topk_prob)
+            moe = iter(experts)
+            for lw in self.layers:
+                stack.add_attention(lw.ln1, lw.ln2, lw.wqkv, lw.bqkv, lw.wo, lw.bo, lw.q_norm, lw.k_norm)
+                if lw.router is not None:
+                    _, w13, s13, w2, s2, group = next(moe)
+                    stack.set_moe(lw.router, w13, s13, w2, s2, group, lw.shared_w13, lw.shared_w2, lw.shared_gate)
+                else:
+                    stack.set_mlp(lw.mlp_w13, lw.mlp_w2)
+            prec = experts[0][0] if experts else _HALF_NAMES[self.weight_dtype]
+            self._stack = ((None, None), stack, prec, self.hybrid.stacked if self.hybrid is not None else None)
+        (serial, capacity), stack, prec, held = self._stack
+        t = int(plan.lens.shape[0])
+        if spec.n_experts and not kernels.fused_moe(prec, t * spec.top_k / spec.n_experts):
+            return None
+        if (serial, capacity) != (cache.serial, cache.capacity):
+            stack.set_cache(cache.k, cache.v)
+            self._stack = ((cache.serial, cache.capacity), stack, prec, held)
+        return stack
+
+    def _fused_decode(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      plan: _AttentionPlan) -> None:
+        """Every layer of a decode-only step in one native call (``x`` updated in place); then what the
+        per-op path records layer by layer, for the whole step: the plans, the routed counts and the routes."""
+        spec = self.spec
+        t = x.shape[0]
+        prec = self._stack[2]  # type: ignore[index]
+        moe_path = kernels.moe_path(prec, t * spec.top_k / max(spec.n_experts, 1), spec.hidden_size,
+                                    spec.expert_intermediate)
+        ids, gates = stack.step(x, cos, sin, plan.slot_index, plan.lens,
+                                kernels.path(_HALF_NAMES[self.weight_dtype], t), moe_path)  # [L, T, K]
+        self.stats.fused_steps += 1
+        if ids.shape[0] == 0:
+            return
+        ids_tlk = ids.numpy().transpose(1, 0, 2)
+        _, counts = self.controller.plan_step(ids_tlk)
+        self.stats.add_step(spec.moe_layers, counts)
+        if self.record_routes:
+            self.routes.extend(RouteRecord(layer, ids[i], gates[i]) for i, layer in enumerate(spec.moe_layers))
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.native:

@@ -366,6 +366,9 @@ class HybridExperts:
         self.expert_stream = self._sm_partition_stream()
         # Per MoE layer, its experts stacked (int8/int4 on the host, trivial plans): one native call a layer.
         self._stacked: dict[int, StackedExperts] = {}
+        self.stacked: list[StackedExperts] | None = None
+        """Every MoE layer's stacked experts, in layer order, while every layer has them (else None): what a
+        fused decode step runs on. A new list whenever they change (readers compare identity)."""
         # Host versions: the weights as loaded, in host memory (pinned with a GPU). When every expert
         # stays resident in the loaded precision, the loaded weights are the fast copies.
         self.all_as_loaded = settings.resident_as_loaded
@@ -422,6 +425,7 @@ class HybridExperts:
         layer, the lists cost more than the products' difference between int8 and bf16). The handles get
         views into the stack, so memory holds one copy."""
         self._stacked = {}
+        self.stacked = None
         if not (self.settings.trivial and self.native and self.device.type == "cpu" and self.hi in ("int8", "int4")):
             return
         for layer in self.moe_layers:
@@ -439,6 +443,8 @@ class HybridExperts:
             for h, v in zip(hs, views, strict=True):
                 h.fast = v
             self._stacked[layer] = st
+        self.stacked = [self._stacked[layer] for layer in self.moe_layers] \
+            if len(self._stacked) == len(self.moe_layers) else None
 
     def _precision(self, code: int) -> str | None:
         return self.hi if code == 2 else self.lo if code == 1 else None
@@ -494,10 +500,12 @@ class HybridExperts:
         for m in (*moves.demotions, *moves.promotions):
             layer = self.moe_layers[m.layer]
             self._stacked.pop(layer, None)
+            self.stacked = None
             self._copy_async(layer, m.expert, self._precision({"hi": 2, "lo": 1, "host": 0}[m.dst]))
         for change in moves.replicas:
             layer = self.moe_layers[change.layer]
             self._stacked.pop(layer, None)
+            self.stacked = None
             self.handles[layer][change.expert].replicas = tuple(
                 self._version(layer, change.expert, self.hi) for _ in range(change.replicas))
 

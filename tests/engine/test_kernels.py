@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -377,6 +378,66 @@ def test_engine_on_the_paths_this_cpu_picks_stays_within_their_precision(make_ck
         same = torch.cat([(a.argmax(-1) == b.argmax(-1)) for a, b in zip(got, ref, strict=True)])
         assert same.float().mean() >= 0.95, (forced, mode)
     assert auto.split(":")[-1] in native.kernels_label or auto.startswith("torch:"), native.kernels_label
+
+
+def _decode_run(engine: Engine, fuse: bool) -> tuple[list[torch.Tensor], list[list[int]], dict, list]:
+    """Logits of every step, greedy tokens, routed counts and recorded routes of 3 prompts of different
+    lengths (prompt steps, then decode-only steps of 3, 2 and 1 sequences)."""
+    model, logits = engine.model, []
+    model.fuse_decode, model.record_routes = fuse, True
+    model.stats.reset()
+    forward, routes = model.forward, []
+
+    def record(batch, cache):
+        logits.append(forward(batch, cache))
+        routes.append([(r.layer, r.expert_ids.clone(), r.gate_weights.clone()) for r in model.routes])
+        return logits[-1]
+
+    model.forward = record
+    try:
+        tokens = engine.generate([PROMPTS[0], PROMPTS[1][:5], PROMPTS[0][:2]], 6)
+    finally:
+        model.forward = forward
+    return logits, tokens, {k: v.copy() for k, v in model.stats.counts.items()}, routes
+
+
+@pytest.mark.parametrize("arch,overrides,knobs", [
+    ("qwen2_moe", {"mlp_only_layers": [0]}, {}),  # shared expert and its gate, qkv bias, a dense layer first
+    ("qwen3_moe", {}, {"kv_dtype": "bfloat16"}),  # per-head q/k norms; a bf16 cache
+    ("olmoe", {"clip_qkv": 0.5}, {"hi_precision": "int8"}),  # q/k norms over the projection, clipping
+    ("mixtral", {"sliding_window": 5}, {"hi_precision": "int4", "int4_group_size": 32}),
+])
+def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overrides, knobs):
+    """Decode-only steps run every layer in one native call (DecodeStack): the same logits to the bit, the
+    same routed counts and router-trace records as the per-op path, on every family's features."""
+    path = make_ckpt(arch, dtype="bfloat16", seed=7, width=32, **overrides)
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4, **knobs))
+    per_op = _decode_run(engine, fuse=False)
+    assert engine.model._stack is None
+    fused = _decode_run(engine, fuse=True)
+    assert engine.model._stack is not None, "the decode-only steps did not take the fused path"
+    assert fused[1] == per_op[1] and len(fused[0]) == len(per_op[0])
+    assert all(torch.equal(a, b) for a, b in zip(per_op[0], fused[0], strict=True))
+    assert [[(layer, i.tolist(), g.tolist()) for layer, i, g in step] for step in per_op[3]] == \
+        [[(layer, i.tolist(), g.tolist()) for layer, i, g in step] for step in fused[3]]
+    assert sorted(fused[2]) == list(engine.spec.moe_layers)
+    assert all(np.array_equal(per_op[2][k], fused[2][k]) for k in fused[2])
+
+
+def test_decode_steps_the_fused_path_cannot_run_take_the_per_op_path(make_ckpt):
+    """Routing overrides (pruned in Python) and plans that need the hybrid executor (static residency) run
+    op by op; switching back to a plain config fuses again, on the new executor's experts."""
+    path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=7, width=32)
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32", top_k_override=1))
+    engine.generate([PROMPTS[0]], 3)
+    assert engine.model._stack is None
+    engine.reconfigure(engine.config.replace(top_k_override=0, residency="static", resident_budget_gib=0.0001))
+    engine.generate([PROMPTS[0]], 3)
+    assert engine.model._stack is None
+    engine.reconfigure(engine.config.replace(residency="all", hi_precision="int8"))
+    engine.generate([PROMPTS[0]], 3)
+    assert engine.model._stack is not None and engine.model._stack[2] == "int8"
+    assert engine.model._stack[3] is engine.model.hybrid.stacked
 
 
 @pytest.mark.parametrize("bf16_path", ["torch:widen", "f32"])

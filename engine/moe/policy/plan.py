@@ -315,6 +315,7 @@ class MoEStats:
     layer_calls: int = 0
     distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
     last: dict[int, np.ndarray] = field(default_factory=dict)  # the last step's counts per layer
+    fused_steps: int = 0  # steps that ran every layer in one native call (MoEDecoder's fused decode step)
     _acc: np.ndarray | None = field(default=None, repr=False)  # add_step's [L, E]; counts' rows are views of it
     _acc_layers: tuple[int, ...] = field(default=(), repr=False)
 
@@ -356,7 +357,7 @@ class MoEStats:
         self.counts.clear()
         self.last.clear()
         self._acc = None
-        self.layer_calls = self.distinct_experts = 0
+        self.layer_calls = self.distinct_experts = self.fused_steps = 0
 
 
 @dataclass
