@@ -222,6 +222,7 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
     info: dict[str, Any] = {}
     touched: dict[int, float] = {}  # the engine's measured distinct experts per layer per step, by batch
     rooflines: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    fused: dict[str, dict[int, float]] = {n: {} for n in names}  # the engine's decode steps run fused, by batch
     later: dict[str, Path | None] = {}  # peers: rooflines once the engine measured the experts touched
     for rnd in range(rounds):
         for name in names:
@@ -243,6 +244,8 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
                     prefill, decode = _rates(per_round, b, prompt_len)
                     progress(f"round {rnd + 1}/{rounds}, {name}, batch {b}: prefill {prefill:.1f} tok/s, decode "
                              f"{decode:.1f} tok/s ({time.perf_counter() - t0:.0f} s)")
+                if sysm.engine is not None:  # the last run's decode steps (stats restart after each prefill)
+                    fused[name][b] = sysm.engine.model.stats.fused_steps / max(1, len(per_round[-1][1]))
                 if sysm.engine is not None and name == "engine":
                     touched[b] = sysm.engine.model.stats.mean_distinct()
                 if rnd == 0 and sysm.engine is not None:  # its bytes come from the loaded model
@@ -268,6 +271,8 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
             row[f"{n}_prefill_tokens_per_s"], row[f"{n}_decode_tokens_per_s"] = _rates(all_runs, b, prompt_len)
             row[f"{n}_decode_tokens_per_s_rounds"] = [d for _, d in by_round]
             row[f"{n}_prefill_tokens_per_s_rounds"] = [p for p, _ in by_round]
+            if b in fused[n]:
+                row[f"{n}_decode_steps_fused"] = fused[n][b]
             rf = rooflines[n].get(b)
             if rf:
                 row[f"{n}_roofline"] = rf

@@ -95,6 +95,8 @@ def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, nativ
             rf = row[f"{n}_roofline"]
             assert rf["bandwidth_roofline_tokens_per_s"] > 0 and rf["bound"] in ("bandwidth", "compute")
         assert row["engine_roofline"]["compute_roofline_tokens_per_s"] > 0
+        # each engine row records which decode path ran: one native call a step for bf16 and int8 experts
+        assert row["engine_decode_steps_fused"] == row["engine_int8_decode_steps_fused"] == 1.0
         # int8 experts read fewer bytes than bf16 ones
         assert row["engine_int8_roofline"]["weight_bytes_per_step"] < row["engine_roofline"]["weight_bytes_per_step"]
     assert {t["target"] for t in res["targets"]} >= {"prefill b=1: x transformers bf16"}
