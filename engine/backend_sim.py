@@ -282,6 +282,9 @@ def sim_precisions(config: EngineConfig, profile: Profile, stored: str) -> tuple
                           f"(use a host-only profile, e.g. builtin:spr, to price the host alone)")
     cd = rt.compute_dtype
     if two_tier:
+        if rt.dense_precision == "int8":
+            raise ConfigError(f"sim backend: runtime.dense_precision='int8': profile {profile.name} has a device, "
+                              "where the dense matrices run as loaded (int8 dense matrices are a CPU engine's)")
         compute = stored if cd in ("auto", "checkpoint") else precision_of(cd)
         return compute, compute, False
     host = profile.host
@@ -293,6 +296,10 @@ def sim_precisions(config: EngineConfig, profile: Profile, stored: str) -> tuple
     compute = stored if cd == "checkpoint" else precision_of(cd)
     native = (compute == "fp32" and stored in ("bf16", "fp16") and rt.cpu_kernels != "torch"
               and host.native_max_tokens > 0)
+    if rt.dense_precision == "int8" and not native:
+        raise ConfigError(f"sim backend: runtime.dense_precision='int8': the live engine runs int8 dense matrices "
+                          f"on the native kernels, which would not run here ({compute} products of {stored} "
+                          f"weights on profile {profile.name})")
     return (stored if native else compute), compute, native
 
 

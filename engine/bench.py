@@ -121,7 +121,7 @@ def run_bench(engine: Engine, batches: list[int], prompt_len: int, new_tokens: i
             "compute_dtype": str(engine.dtype).replace("torch.", ""),
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""),
             "cpu_kernels": engine.kernels_label,
-            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""),
+            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""), "dense_precision": engine.model.dense_precision,
             "hi_precision": engine.model.hybrid.hi if engine.model.hybrid is not None else None,
             "kernel_dispatch": kernels.dispatch_report() if engine.model.native else None,
             "checkpoint_dtype": str(engine.ckpt.dtype).replace("torch.", ""),

@@ -83,7 +83,7 @@ def _provenance(engine) -> dict[str, Any]:
             "weight_dtype": str(engine.weight_dtype).replace("torch.", ""), "cpu_kernels": engine.kernels_label,
             "experts": engine.model.hybrid.hi if engine.model.hybrid is not None else
             str(engine.weight_dtype).replace("torch.", ""),
-            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""),
+            "kv_dtype": str(engine.cache.dtype).replace("torch.", ""), "dense": engine.model.dense_precision,
             "ep_ranks": engine.config.parallel.ep_size, "config_hash": engine.config.config_hash()}
 
 
@@ -641,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=0, help="threads for every system (0 = PyTorch's default)")
     c.add_argument("--systems", default="default",
                    help="comma-separated subset of transformers, engine, engine_torch, engine_checkpoint, "
-                        "engine_int8, engine_int4, llama_bf16, llama_q8_0, llama_q4_0 (llama_* need "
+                        "engine_int8, engine_q8, engine_int4, llama_bf16, llama_q8_0, llama_q4_0 (llama_* need "
                         "llama-cpp-python); default: all but engine_checkpoint")
     c.add_argument("--staggered", type=int, default=32, help="requests in the staggered-arrivals comparison (0=skip)")
     c.add_argument("--json", action="store_true")

@@ -8,6 +8,8 @@ cache directory: :mod:`engine.llama_cpp`):
 * ``engine_torch``: PyTorch's products only (``cpu_kernels=torch``: weights widened to the compute dtype);
 * ``engine_checkpoint``: PyTorch's products in the checkpoint's dtype (``compute_dtype=checkpoint``);
 * ``engine_int8`` / ``engine_int4``: experts in int8 / int4 (group 128), the rest as ``engine``;
+* ``engine_q8``: every matrix in int8 (experts, and the dense ones: ``dense_precision=int8``), as llama.cpp's
+  q8_0 stores them;
 * ``llama_bf16`` / ``llama_q8_0`` / ``llama_q4_0``: llama.cpp through llama-cpp-python (an optional
   extra: left out, and said so, where it is not installed).
 
@@ -52,10 +54,12 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine_checkpoint": {"compute_dtype": "checkpoint"},
     "engine_int8": {"hi_precision": "int8"},
     "engine_int4": {"hi_precision": "int4", "int4_group_size": 128},
+    "engine_q8": {"hi_precision": "int8", "dense_precision": "int8"},
 }
 LLAMA_SYSTEMS = {"llama_bf16": "bf16", "llama_q8_0": "q8_0", "llama_q4_0": "q4_0"}
 SYSTEMS = ("transformers", *ENGINE_SYSTEMS, *LLAMA_SYSTEMS)
-DEFAULT_SYSTEMS = ("transformers", "engine", "engine_torch", "engine_int8", "engine_int4", *LLAMA_SYSTEMS)
+DEFAULT_SYSTEMS = ("transformers", "engine", "engine_torch", "engine_int8", "engine_q8", "engine_int4",
+                   *LLAMA_SYSTEMS)
 
 
 class _StepClock:
@@ -142,7 +146,8 @@ class _System:
                     "weight_dtype": str(e.weight_dtype).replace("torch.", ""),
                     "experts": e.model.hybrid.hi if e.model.hybrid is not None else
                     str(e.weight_dtype).replace("torch.", ""),
-                    "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "cpu_kernels": e.kernels_label}
+                    "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "dense": e.model.dense_precision,
+                    "cpu_kernels": e.kernels_label}
         if self.hf is not None:
             return {"dtype": str(self.hf.dtype).replace("torch.", ""), "transformers": _version("transformers")}
         return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python")}
@@ -309,6 +314,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             1.25)
         add("int8 experts b=1: x llama.cpp q8_0", _ratio(r, "engine_int8_decode_tokens_per_s",
                                                          "llama_q8_0_decode_tokens_per_s"), 1.2)
+        add("int8 weights (experts and dense) b=1: x llama.cpp q8_0",
+            _ratio(r, "engine_q8_decode_tokens_per_s", "llama_q8_0_decode_tokens_per_s"), 1.2)
         add("int4 experts b=1: x int8 experts", _ratio(r, "engine_int4_decode_tokens_per_s",
                                                        "engine_int8_decode_tokens_per_s"), 1.0)
         add("int4 experts b=1: x llama.cpp q4_0", _ratio(r, "engine_int4_decode_tokens_per_s",

@@ -61,7 +61,8 @@ def knob(
     ``behaviour=False`` keeps a knob out of the config hash (it changes neither results nor speed).
     ``when`` makes a knob conditional: it acts (and is searched) only when each named knob of the same
     config has one of the listed values. ``needs="gpu"`` marks knobs that can only act on an NVIDIA GPU;
-    ``needs="accelerator"`` those whose effect needs a fast tier distinct from host memory.
+    ``needs="accelerator"`` those whose effect needs a fast tier distinct from host memory; ``needs="cpu"``
+    those that act only where the model runs on the CPU (the native kernels'), not on a GPU.
     ``executor=False`` marks a knob of the expert areas (:data:`EXPERT_AREAS`) that the plain engine
     honours itself, without the hybrid expert executor (see :func:`departures_from_plain`).
     """
@@ -99,6 +100,14 @@ class RuntimeConfig:
         "the bytes decode attention reads) at a quality cost that `engine eval` measures.",
         search=Search(choices=("auto", "bfloat16")),
     )
+    dense_precision: Literal["as_loaded", "int8"] = knob(
+        "as_loaded",
+        "Precision of the dense matrices every token reads (attention projections, dense MLP layers, shared "
+        "experts, lm head; routers stay in the compute dtype): as_loaded = the weight dtype; int8 = int8 "
+        "copies with one scale per row (half the bytes of bf16, as llama.cpp's q8_0 stores them), made once "
+        "and run on the native CPU kernels (an error where they do not run). Experts: experts.hi_precision.",
+        search=Search(choices=("as_loaded", "int8")),
+        when={"cpu_kernels": ("auto", "native"), "compute_dtype": ("auto", "float32")}, needs="cpu")
     threads: int = knob(
         0, "Host threads for PyTorch ops (0 = every core this process may use).", min=0, max=1024)
     seed: int = knob(0, "Seed for sampling and for synthesised prompt tokens.", min=0, max=2**31 - 1)
@@ -510,6 +519,13 @@ class EngineConfig:
         if p.redundant_experts and p.ep_placement != "eplb":
             raise ConfigError(f"{source}: parallel.redundant_experts={p.redundant_experts} needs "
                               f"parallel.ep_placement='eplb' (got {p.ep_placement!r})")
+        rt = self.runtime
+        if rt.dense_precision == "int8" and rt.cpu_kernels == "torch":
+            raise ConfigError(f"{source}: runtime.dense_precision='int8' with runtime.cpu_kernels='torch': int8 "
+                              "dense matrices run on the native CPU kernels only")
+        if rt.dense_precision == "int8" and p.ep_size > 1:
+            raise ConfigError(f"{source}: runtime.dense_precision='int8' with parallel.ep_size={p.ep_size}: the "
+                              "ranks run the dense layers as loaded; use ep_size 1 for int8 dense matrices")
         if r.int4_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"{source}: experts.int4_group_size={r.int4_group_size}: must be one of "
                               f"{', '.join(map(str, INT4_GROUP_SIZES))} (a power of two)")
@@ -628,6 +644,8 @@ def inert_knobs(has_gpu: bool) -> dict[str, str]:
             out[k.key] = "needs an NVIDIA GPU; none on this machine"
         elif k.needs == "accelerator" and not has_gpu:
             out[k.key] = "no accelerator: the fast tier and the host are the same memory and cores"
+        elif k.needs == "cpu" and has_gpu:
+            out[k.key] = "the model runs on the GPU here; this knob acts on the native CPU kernels only"
     return out
 
 

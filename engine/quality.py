@@ -20,13 +20,14 @@ from engine.runtime import Engine
 
 
 def reference_config(config: EngineConfig) -> EngineConfig:
-    """The full-precision reference: fp32 products and KV cache, every expert resident as loaded, the
-    model's own routing."""
+    """The full-precision reference: fp32 products and KV cache, every matrix (experts and dense) as loaded,
+    every expert resident, the model's own routing."""
     fresh = EngineConfig()
     return EngineConfig.from_dict({
         **config.to_dict(), "experts": fresh.to_dict()["experts"], "execution": fresh.to_dict()["execution"],
         "routing": fresh.to_dict()["routing"],
-        "runtime": {**config.to_dict()["runtime"], "compute_dtype": "float32", "kv_dtype": "float32"}},
+        "runtime": {**config.to_dict()["runtime"], "compute_dtype": "float32", "kv_dtype": "float32",
+                    "dense_precision": "as_loaded"}},
         source="reference")
 
 

@@ -1,7 +1,7 @@
 """Rooflines from what a step really reads and computes, against this machine's measured limits.
 
-Bytes per step count the weights in the precisions the engine keeps them in (dense matrices in the
-weight dtype, norms and routers in the compute dtype, each expert the step touches in the precision
+Bytes per step count the weights in the precisions the engine runs them in (dense matrices in the
+weight dtype or int8 with runtime.dense_precision, norms and routers in the compute dtype, each expert the step touches in the precision
 it runs in, with its scales) and the KV cache that decode attention reads (in the KV cache's dtype).
 FLOP per step count the products (2 per multiply-add) and attention. The bandwidth roofline divides
 the bytes by the measured read bandwidth; the compute roofline divides each part's FLOP by the peak
@@ -49,8 +49,7 @@ def model_bytes(engine) -> dict[str, float]:
     """Dense bytes every step reads (attention, norms, routers, dense/shared MLPs, lm head), bytes of one
     expert in the precision it runs in (mean over the experts), and KV bytes per cached token."""
     m = engine.model
-    dense = sum(_nbytes(t) for lw in m.layers for k, t in vars(lw).items() if k not in ("w13", "w2"))
-    dense += _nbytes(m.final_norm) + _nbytes(m.lm_head)
+    dense = m.dense_bytes()  # in the precision the dense matrices run in (runtime.dense_precision)
     hybrid = m.hybrid
     if hybrid is not None:
         versions = [h.fast or h.host for hs in hybrid.handles.values() for h in hs]
@@ -100,7 +99,7 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
         kv_read = context_tokens + tokens
     flop_attention = 4.0 * spec.q_size * positions * spec.n_layers
     kv_bytes = mb["kv_bytes_per_token"] * kv_read
-    weight_prec = _PRECISION.get(engine.model.weight_dtype, "fp32")
+    weight_prec = "int8" if engine.model.dense_precision == "int8" else _PRECISION.get(engine.model.weight_dtype, "fp32")
     per_expert = tokens * spec.top_k / max(1e-9, experts_touched)
     return StepCost(tokens, weight_bytes, kv_bytes, flop_dense, flop_experts, flop_attention,
                     _path(engine, weight_prec, tokens), _path(engine, mb["expert_precision"], per_expert))

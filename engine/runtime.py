@@ -202,8 +202,17 @@ class Engine:
             return torch.device("cpu")
         return self.device
 
+    def _apply_dense(self, config: EngineConfig) -> None:
+        """The dense matrices in ``runtime.dense_precision`` (int8 copies made once); ConfigError, with nothing
+        changed, where this model cannot run them so."""
+        try:
+            self.model.set_dense_precision(config.runtime.dense_precision)
+        except ValueError as e:
+            raise ConfigError(f"runtime.dense_precision={config.runtime.dense_precision!r}: {e}") from None
+
     def _setup_experts(self) -> None:
         """Build the hybrid expert executor for non-plain configs (re-planned on every reconfigure)."""
+        self._apply_dense(self.config)
         old = self.model.hybrid
         if old is not None:
             old.close()
@@ -353,6 +362,7 @@ class Engine:
             if hotness is not None:
                 self.set_hotness(hotness)
             return time.perf_counter() - t
+        self._apply_dense(config)  # before anything changes: a config it refuses leaves the engine as it was
         self.config = config
         if config.runtime.threads:
             torch.set_num_threads(config.runtime.threads)

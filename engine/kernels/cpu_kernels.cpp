@@ -1299,10 +1299,17 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, c
 // fifth of a batch-1 step of the medium model on a 2-core vCPU), from here nothing but the op itself.
 // The weights are registered once (add_layer), the KV caches whenever they are reallocated (set_cache).
 
+inline std::optional<at::Tensor> opt_scales(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 // A product on `path` ("variant:mode", or PyTorch's "torch:widen" / "torch:bf16"), fitted to the inner size
-// as kernels._fit does: q8, bf16dp and tile read blocks of 32 activations, other inner sizes take f32.
-at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::string& path, const at::Tensor& bias) {
+// as kernels._fit does: q8, bf16dp and tile read blocks of 32 activations, other inner sizes take f32. With
+// `scales` the weights are int8 with one scale per row (runtime.dense_precision=int8) and `path` is native.
+at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::string& path, const at::Tensor& bias,
+                       const at::Tensor& scales = at::Tensor()) {
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  if (scales.defined()) TORCH_CHECK(path.rfind("torch:", 0) != 0, "moetune::DecodeStack: int8 weights need a native path");
   if (path == "torch:widen") return at::linear(x, w.to(at::kFloat), b);
   if (path == "torch:bf16") {
     at::Tensor y = at::linear(x.to(w.scalar_type()), w).to(at::kFloat);
@@ -1314,14 +1321,15 @@ at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::stri
     const std::string mode = p.substr(colon + 1);
     if (mode == "q8" || mode == "bf16dp" || mode == "tile") p = p.substr(0, colon) + ":f32";
   }
-  return linear_q(x, w, std::nullopt, 0, 0, p, b);
+  return linear_q(x, w, opt_scales(scales), 0, w.size(0), p, b);
 }
 
 // The SwiGLU MLP of dense layers and shared experts: silu(x W_g^T) * (x W_u^T), then W_d (as the per-op path).
-at::Tensor mlp_path(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const std::string& path) {
-  const at::Tensor gu = linear_path(x, w13, path, at::Tensor());
+at::Tensor mlp_path(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const std::string& path,
+                    const at::Tensor& s13 = at::Tensor(), const at::Tensor& s2 = at::Tensor()) {
+  const at::Tensor gu = linear_path(x, w13, path, at::Tensor(), s13);
   const int64_t d = gu.size(1) / 2;
-  return linear_path(at::mul(at::silu(gu.narrow(1, 0, d)), gu.narrow(1, d, d)), w2, path, at::Tensor());
+  return linear_path(at::mul(at::silu(gu.narrow(1, 0, d)), gu.narrow(1, d, d)), w2, path, at::Tensor(), s2);
 }
 
 inline std::optional<at::Tensor> opt(const at::Tensor& t) {
@@ -1332,6 +1340,7 @@ inline at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.ha
 
 struct DecodeLayer {
   at::Tensor ln1, ln2, wqkv, bqkv, wo, bo, q_norm, k_norm;           // attention (undefined: absent)
+  at::Tensor wqkv_s, wo_s, mlp_s13, mlp_s2, shared_s13, shared_s2;    // int8 dense weights' row scales
   at::Tensor router, w13, s13, w2, s2, shared_w13, shared_w2, shared_gate;  // MoE layers
   at::Tensor mlp_w13, mlp_w2;                                        // dense layers
   int64_t group = 0;
@@ -1387,6 +1396,25 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.back().mlp_w2 = w2;
   }
 
+  // The last added layer's dense matrices in int8 with one scale per row (runtime.dense_precision=int8):
+  // name is wqkv, wo, mlp_w13, mlp_w2, shared_w13 or shared_w2.
+  void set_int8(std::string name, at::Tensor q, at::Tensor scales) {
+    TORCH_CHECK(!layers.empty(), "moetune::DecodeStack: set_int8 before add_attention");
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && scales.numel() == q.size(0),
+                "moetune::DecodeStack.set_int8: ", name, ": int8 [N, K] weights and N scales expected");
+    DecodeLayer& l = layers.back();
+    at::Tensor* slot[2] = {nullptr, nullptr};
+    if (name == "wqkv") slot[0] = &l.wqkv, slot[1] = &l.wqkv_s;
+    else if (name == "wo") slot[0] = &l.wo, slot[1] = &l.wo_s;
+    else if (name == "mlp_w13") slot[0] = &l.mlp_w13, slot[1] = &l.mlp_s13;
+    else if (name == "mlp_w2") slot[0] = &l.mlp_w2, slot[1] = &l.mlp_s2;
+    else if (name == "shared_w13") slot[0] = &l.shared_w13, slot[1] = &l.shared_s13;
+    else if (name == "shared_w2") slot[0] = &l.shared_w2, slot[1] = &l.shared_s2;
+    TORCH_CHECK(slot[0] != nullptr, "moetune::DecodeStack.set_int8: no matrix named ", name);
+    *slot[0] = q;
+    *slot[1] = scales;
+  }
+
   void set_cache(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
     TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(), "moetune::DecodeStack: one cache a layer");
     kc = std::move(k);
@@ -1408,10 +1436,10 @@ struct DecodeStack : torch::CustomClassHolder {
     int64_t mi = 0;
     for (size_t i = 0; i < layers.size(); ++i) {
       const DecodeLayer& l = layers[i];
-      const at::Tensor qkv = linear_path(h, l.wqkv, dense_path, l.bqkv);
+      const at::Tensor qkv = linear_path(h, l.wqkv, dense_path, l.bqkv, l.wqkv_s);
       auto [q, k, v] = qk_rope(qkv, n_heads, n_kv, head_dim, opt(l.q_norm), opt(l.k_norm), qk_norm, eps, clip, cos, sin);
       const at::Tensor att = decode_attention(q, kc[i], vc[i], slots, lens, window, scale, k, v);
-      h = add_rmsnorm_(x, linear_path(att.view({T, Q}), l.wo, dense_path, l.bo), l.ln2, eps);
+      h = add_rmsnorm_(x, linear_path(att.view({T, Q}), l.wo, dense_path, l.bo, l.wo_s), l.ln2, eps);
       at::Tensor y;
       if (l.router.defined()) {
         const at::Tensor logits = T <= 32 ? linear_q(h, l.router, std::nullopt, 0, 0, "", std::nullopt)
@@ -1420,12 +1448,13 @@ struct DecodeStack : torch::CustomClassHolder {
         y = moe(h, l.w13, l.w2, ids, gates, moe_path, opt(l.s13), opt(l.s2), l.group);
         if (l.shared_w13.defined())
           y = at::add(y, at::mul(at::sigmoid(at::linear(h, l.shared_gate)), mlp_path(h, l.shared_w13, l.shared_w2,
-                                                                                     dense_path)));
+                                                                                     dense_path, l.shared_s13,
+                                                                                     l.shared_s2)));
         ids_out.select(0, mi).copy_(ids);
         gates_out.select(0, mi).copy_(gates);
         ++mi;
       } else {
-        y = mlp_path(h, l.mlp_w13, l.mlp_w2, dense_path);
+        y = mlp_path(h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
       }
       if (i + 1 < layers.size()) h = add_rmsnorm_(x, y, layers[i + 1].ln1, eps);
       else x.add_(y);
@@ -1496,6 +1525,7 @@ TORCH_LIBRARY(moetune, m) {
       .def("add_attention", &DecodeStack::add_attention)
       .def("set_moe", &DecodeStack::set_moe)
       .def("set_mlp", &DecodeStack::set_mlp)
+      .def("set_int8", &DecodeStack::set_int8)
       .def("set_cache", &DecodeStack::set_cache)
       .def("step", &DecodeStack::step);
 }

@@ -76,6 +76,12 @@ class LayerWeights:
     # dense MLP layers
     mlp_w13: torch.Tensor | None = None  # [2D, H]
     mlp_w2: torch.Tensor | None = None  # [H, D]
+    # int8 copies of the dense matrices above with one scale per row, by attribute name (``wqkv``, ``wo``,
+    # ``mlp_w13``, ...): made on the first runtime.dense_precision=int8 and kept (MoEDecoder.set_dense_precision)
+    int8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+#: The dense matrices runtime.dense_precision=int8 stores in int8 (routers and the shared-expert gate stay).
+INT8_DENSE = ("wqkv", "wo", "mlp_w13", "mlp_w2", "shared_w13", "shared_w2")
 
 
 _HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -192,6 +198,9 @@ class MoEDecoder:
         # Decode-only steps in one native call where they can (_decode_stack); False runs them op by op, as
         # prompt steps run (the same ops, the same bits: for comparisons and tests).
         self.fuse_decode = True
+        # runtime.dense_precision: "as_loaded", or "int8" (LayerWeights.int8 and lm_head_int8 run the products)
+        self.dense_precision = "as_loaded"
+        self.lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.routes: list[RouteRecord] = []
         spec = self.spec
         self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
@@ -280,10 +289,53 @@ class MoEDecoder:
         if self.ep is not None:
             self.ep.stats.end_step()
 
+    def set_dense_precision(self, precision: str) -> None:
+        """Run the dense matrices (:data:`INT8_DENSE` and the lm head) ``"as_loaded"`` or in ``"int8"``: int8
+        copies with one scale per row, made on first use and kept, so switching back and forth costs
+        nothing. ValueError where the native CPU kernels do not run this model."""
+        if precision not in ("as_loaded", "int8"):
+            raise ValueError(f"dense precision {precision!r}: expected as_loaded or int8")
+        if precision == "int8" and not (self.native and self.device.type == "cpu" and self.ep is None):
+            raise ValueError("int8 dense matrices run on the native CPU kernels, which this model does not use "
+                             f"here ({self.device.type}, {self.weight_dtype} weights, {self.dtype} compute"
+                             + (", expert parallelism" if self.ep is not None else "") + ")")
+        if precision == "int8" and self.lm_head_int8 is None:
+            from engine.moe import quant
+
+            def q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                qw = quant.quantize(w, "int8")
+                return qw.data.contiguous(), qw.scales.contiguous()
+
+            for lw in self.layers:
+                lw.int8 = {name: q8(getattr(lw, name)) for name in INT8_DENSE if getattr(lw, name) is not None}
+            self.lm_head_int8 = q8(self.lm_head)
+        if precision != self.dense_precision:
+            self._stack = None  # the fused step holds the matrices it runs: rebuilt on next use
+        self.dense_precision = precision
+
+    def _q8(self, lw: LayerWeights, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int8 copy of ``lw``'s dense matrix ``name`` while the dense matrices run in int8, else None."""
+        return lw.int8.get(name) if self.dense_precision == "int8" and lw.int8 else None
+
+    def dense_bytes(self) -> int:
+        """Bytes of the non-expert weights one step reads, in the precision they run in: attention, norms,
+        routers, dense and shared MLPs, the final norm and the lm head (not the embedding rows)."""
+        total = 0
+        for lw in self.layers:
+            for k, t in vars(lw).items():
+                if not isinstance(t, torch.Tensor) or k in ("w13", "w2"):
+                    continue
+                q = self._q8(lw, k) if k in INT8_DENSE else None
+                total += sum(x.numel() * x.element_size() for x in q) if q else t.numel() * t.element_size()
+        head = self.lm_head_int8 if self.dense_precision == "int8" else (self.lm_head,)
+        return total + sum(x.numel() * x.element_size() for x in (self.final_norm, *head))
+
     def weight_bytes(self) -> int:
         ts = [self.embed, self.final_norm] + ([] if self.spec.tie_word_embeddings else [self.lm_head])
+        ts += list(self.lm_head_int8 or ())
         for lw in self.layers:
             ts += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+            ts += [x for pair in (lw.int8 or {}).values() for x in pair]
         local = self.ep.weight_bytes() if self.ep is not None else 0  # this rank's experts
         return sum(t.numel() * t.element_size() for t in ts) + local
 
@@ -306,7 +358,7 @@ class MoEDecoder:
             h = self._norm(x, self.layers[0].ln1)
             for i, lw in enumerate(self.layers):
                 h = self._add_norm(x, self._attention(i, lw, h, cos, sin, plan, cache), lw.ln2)
-                y = self._moe(i, lw, h) if lw.router is not None else self._mlp(lw.mlp_w13, lw.mlp_w2, h)
+                y = self._moe(i, lw, h) if lw.router is not None else self._mlp(lw, "mlp", h)
                 if i + 1 < len(self.layers):
                     h = self._add_norm(x, y, self.layers[i + 1].ln1)
                 else:
@@ -319,7 +371,8 @@ class MoEDecoder:
             return torch.empty(0, spec.vocab_size)
         xr = x.index_select(0, torch.tensor(rows, device=self.device))
         xr = rms_norm(xr, self.final_norm, spec.rms_eps)
-        return self._linear(xr, self.lm_head).float()  # [S', V]
+        head_q = self.lm_head_int8 if self.dense_precision == "int8" else None
+        return self._linear(xr, self.lm_head, None, head_q).float()  # [S', V]
 
     # ------------------------------------------------------------------ the fused decode step
     def _stacked_experts(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor,
@@ -366,6 +419,8 @@ class MoEDecoder:
                     stack.set_moe(lw.router, w13, s13, w2, s2, group, lw.shared_w13, lw.shared_w2, lw.shared_gate)
                 else:
                     stack.set_mlp(lw.mlp_w13, lw.mlp_w2)
+                for name, (q, sc) in (lw.int8 or {}).items() if self.dense_precision == "int8" else ():
+                    stack.set_int8(name, q, sc)
             prec = experts[0][0] if experts else _HALF_NAMES[self.weight_dtype]
             self._stack = ((None, None), stack, prec, self.hybrid.stacked if self.hybrid is not None else None)
         (serial, capacity), stack, prec, held = self._stack
@@ -377,6 +432,13 @@ class MoEDecoder:
             self._stack = ((cache.serial, cache.capacity), stack, prec, held)
         return stack
 
+    def _dense_path(self, tokens: int) -> str:
+        """The native path of the dense products at ``tokens`` tokens, in the precision they run in (int8
+        dense matrices always take a native path: the fused step and :func:`kernels.linear_int8` read them)."""
+        if self.dense_precision == "int8":
+            return kernels.native_path("int8", tokens)
+        return kernels.path(_HALF_NAMES[self.weight_dtype], tokens)
+
     def _fused_decode(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       plan: _AttentionPlan) -> None:
         """Every layer of a decode-only step in one native call (``x`` updated in place); then what the
@@ -387,7 +449,7 @@ class MoEDecoder:
         moe_path = kernels.moe_path(prec, t * spec.top_k / max(spec.n_experts, 1), spec.hidden_size,
                                     spec.expert_intermediate)
         ids, gates = stack.step(x, cos, sin, plan.slot_index, plan.lens,
-                                kernels.path(_HALF_NAMES[self.weight_dtype], t), moe_path)  # [L, T, K]
+                                self._dense_path(t), moe_path)  # [L, T, K]
         self.stats.fused_steps += 1
         if ids.shape[0] == 0:
             return
@@ -414,7 +476,7 @@ class MoEDecoder:
         """Projections, q/k norms, clipping and rotary embedding: q [T, Hq, d], k and v [T, KV, d]."""
         spec = self.spec
         t = h.shape[0]
-        qkv = self._linear(h, lw.wqkv, lw.bqkv)  # [T, Q + 2KV]
+        qkv = self._linear(h, lw.wqkv, lw.bqkv, self._q8(lw, "wqkv"))  # [T, Q + 2KV]
         if self.native:
             return kernels.ops().qk_rope(qkv, spec.n_heads, spec.n_kv_heads, spec.head_dim, lw.q_norm, lw.k_norm,
                                          spec.qk_norm, spec.rms_eps, spec.clip_qkv or 0.0, cos, sin)
@@ -445,7 +507,7 @@ class MoEDecoder:
             # A decode-only step: one call writes the step's keys and values and attends, the cache read in place.
             out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
                                                  self.scale, k.contiguous(), v.contiguous())
-            return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
+            return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo, self._q8(lw, "wo"))
         # Write the step's keys and values into the cache: [slot, head, pos, d] (in the cache's dtype).
         kc[plan.slot_of_token, :, plan.pos_of_token] = k.to(kc.dtype)
         vc[plan.slot_of_token, :, plan.pos_of_token] = v.to(vc.dtype)
@@ -472,15 +534,20 @@ class MoEDecoder:
             out[seg.start: seg.start + seg.n_tokens] = os_[0].transpose(0, 1).to(out.device)
         if on_host:
             out = out.to(self.device)
-        return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo)
+        return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo, self._q8(lw, "wo"))
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x @ w.T + bias``; on ``q8`` (int8 weights, row scales: runtime.dense_precision=int8) when given."""
+        if q8 is not None:
+            return kernels.linear_int8(x, q8[0], q8[1], bias)
         return kernels.linear(x, w, bias) if self.native else F.linear(x, w, bias)
 
-    def _mlp(self, w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        gu = self._linear(h, w13)  # [T, 2D]
+    def _mlp(self, lw: LayerWeights, kind: str, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP ``kind`` of ``lw``: "mlp" (a dense layer) or "shared" (the shared expert)."""
+        gu = self._linear(h, getattr(lw, f"{kind}_w13"), None, self._q8(lw, f"{kind}_w13"))  # [T, 2D]
         d = gu.shape[-1] // 2
-        return self._linear(F.silu(gu[:, :d]) * gu[:, d:], w2)
+        return self._linear(F.silu(gu[:, :d]) * gu[:, d:], getattr(lw, f"{kind}_w2"), None, self._q8(lw, f"{kind}_w2"))
 
     def route(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routes the experts run: ([T, K] weights, [T, K] ids), after the routing knobs.
@@ -541,7 +608,7 @@ class MoEDecoder:
         else:
             out = self.run_experts(lw.w13, lw.w2, h, weights, ids, decision.counts)
         if lw.shared_w13 is not None:
-            shared = self._mlp(lw.shared_w13, lw.shared_w2, h)
+            shared = self._mlp(lw, "shared", h)
             out = out + torch.sigmoid(F.linear(h, lw.shared_gate)) * shared
         return out
 

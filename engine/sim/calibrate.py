@@ -83,6 +83,7 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
     import torch
 
     from engine import kernels
+    from engine.moe import quant
     from engine.moe.experts import fused_moe, make_version, swiglu
 
     h, i = CAL_HIDDEN, CAL_INTER
@@ -140,6 +141,13 @@ def _expert_tables(progress: Progress) -> tuple[dict[str, Any], dict[str, float]
             x = torch.randn(n, h)
             secs.append(_time(lambda x=x, w=w: kernels.linear(x, w), _reps(n)))
         tables[f"matmul:{prec}@fp32"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
+    # runtime.dense_precision=int8: int8 copies with row scales on the native int8 path
+    qw = quant.quantize(w13[:h].contiguous(), "int8")
+    secs = []
+    for n in TOKEN_GRID:
+        x = torch.randn(n, h)
+        secs.append(_time(lambda x=x: kernels.linear_int8(x, qw.data, qw.scales), _reps(n)))
+    tables["matmul:int8@fp32"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
     # compute_dtype=checkpoint on a bf16 checkpoint: bf16 activations, whose products take other paths
     # (5-10x slower than fp32 from 64 tokens on a CPU without AMX; a roofline from one bf16 GEMM misses
     # by as much either way).

@@ -189,7 +189,9 @@ class StepPricer:
         self.host_speed = cost.thread_speed(self.host, self.host_threads)
         self.expert_speed = cost.sm_speed(f, x.expert_sm_share) if self.two_tier else self.fast_speed
         # Dense products of one decoder layer, the router, dense MLP layers, a shared expert, the lm head.
-        w, c = self.loaded, self.compute
+        c = self.compute
+        # runtime.dense_precision=int8: the dense matrices and the lm head read int8 copies (a CPU engine's)
+        w = "int8" if cfg.runtime.dense_precision == "int8" and self.native else self.loaded
         mm = lambda n, k, prec=w: cost.matmul_lut(f, n, k, prec, c, t_max)  # noqa: E731
         self.dense_lut = (mm(spec.q_size + 2 * spec.kv_size, h) + mm(h, spec.q_size)) / self.fast_speed
         self.router_lut = mm(e, h, c) / self.fast_speed  # the router is kept in the compute precision

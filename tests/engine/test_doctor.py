@@ -92,7 +92,8 @@ def test_json_results_say_which_path_produced_them(field, make_ckpt):
     precision and the KV cache's."""
     path = make_ckpt("qwen3_moe", dtype="bfloat16")
     args = (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "2"] if field == "software"
-            else ["eval", "--max-prompts", "1", "--hi-precision", "int8", "--kv-dtype", "bfloat16"])
+            else ["eval", "--max-prompts", "1", "--hi-precision", "int8", "--kv-dtype", "bfloat16",
+                  "--dense-precision", "int8"])
     proc = subprocess.run([*ENGINE_CLI, *args, "--model", str(path), "--json"], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -104,6 +105,6 @@ def test_json_results_say_which_path_produced_them(field, make_ckpt):
     assert kern["cpu_kernels"] in ("available", "missing", "broken") and "quant" in kern
     assert prov["hardware"]["cpu_features"] is not None
     if field == "provenance":  # the experts' precision and the KV cache's dtype, as run
-        assert (prov["experts"], prov["kv_dtype"]) == ("int8", "bfloat16")
+        assert (prov["experts"], prov["kv_dtype"], prov["dense"]) == ("int8", "bfloat16", "int8")
     else:
         assert prov["kv_dtype"] == "float32" and prov["experts"]

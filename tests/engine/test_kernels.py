@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.runtime import Engine
 
 
@@ -406,6 +406,8 @@ def _decode_run(engine: Engine, fuse: bool) -> tuple[list[torch.Tensor], list[li
     ("qwen3_moe", {}, {"kv_dtype": "bfloat16"}),  # per-head q/k norms; a bf16 cache
     ("olmoe", {"clip_qkv": 0.5}, {"hi_precision": "int8"}),  # q/k norms over the projection, clipping
     ("mixtral", {"sliding_window": 5}, {"hi_precision": "int4", "int4_group_size": 32}),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, {"dense_precision": "int8"}),  # int8 shared expert, bias, dense MLP
+    ("qwen3_moe", {}, {"dense_precision": "int8", "hi_precision": "int8"}),  # every matrix in int8
 ])
 def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overrides, knobs):
     """Decode-only steps run every layer in one native call (DecodeStack): the same logits to the bit, the
@@ -422,6 +424,53 @@ def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overri
         [[(layer, i.tolist(), g.tolist()) for layer, i, g in step] for step in fused[3]]
     assert sorted(fused[2]) == list(engine.spec.moe_layers)
     assert all(np.array_equal(per_op[2][k], fused[2][k]) for k in fused[2])
+
+
+def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(make_ckpt):
+    """runtime.dense_precision=int8: attention, the dense and shared MLPs and the lm head run on int8 copies
+    (one scale per row) on the native kernels; the roofline counts their bytes; switching back and forth
+    reuses the copies; where the kernels do not run, a one-line error naming the knob, the engine unchanged."""
+    from engine.quality import prompt_logits
+    from engine.roofline import model_bytes
+
+    path = make_ckpt("qwen2_moe", dtype="bfloat16", seed=3, width=32, mlp_only_layers=[0])
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32"))
+    ref = engine.generate([PROMPTS[0], PROMPTS[1]], 6)
+    bf16_bytes = model_bytes(engine)["dense_bytes"]
+    engine.reconfigure(engine.config.replace(dense_precision="int8"))
+    model = engine.model
+    assert model.dense_precision == "int8" and model.lm_head_int8[0].dtype == torch.int8
+    lw0, lw1 = model.layers[0], model.layers[1]
+    assert set(lw0.int8) == {"wqkv", "wo", "mlp_w13", "mlp_w2"} and {"shared_w13", "shared_w2"} <= set(lw1.int8)
+    # The int8 copies dequantize to within half a step of their row's scale of the bf16 weights.
+    q, sc = lw1.int8["wqkv"]
+    err = (q.float() * sc.float()[:, None] - lw1.wqkv.float()).abs()
+    assert bool((err <= sc.float()[:, None] * 0.51 + 1e-6).all())
+    int8_bytes = model_bytes(engine)["dense_bytes"]
+    assert 0.45 < int8_bytes / bf16_bytes < 0.7  # int8 matrices plus their scales; norms and routers as loaded
+    out = engine.generate([PROMPTS[0], PROMPTS[1]], 6)
+    # Teacher-forced logits at every prompt position: the int8 model's stay close to the bf16 one's (a random
+    # tiny model's near ties make generated tokens a poor measure).
+    lq = prompt_logits(engine, PROMPTS[0])
+    engine.reconfigure(engine.config.replace(dense_precision="as_loaded"))
+    lb = prompt_logits(engine, PROMPTS[0])
+    cos = F.cosine_similarity(lq, lb, dim=-1)
+    assert bool((cos > 0.995).all()), cos
+    assert not torch.equal(lq, lb)  # the int8 copies did run
+    copies = lw1.int8["wqkv"][0]
+    engine.reconfigure(engine.config.replace(dense_precision="as_loaded"))
+    assert engine.generate([PROMPTS[0], PROMPTS[1]], 6) == ref
+    engine.reconfigure(engine.config.replace(dense_precision="int8"))
+    assert engine.model.layers[1].int8["wqkv"][0] is copies and engine.generate([PROMPTS[0], PROMPTS[1]], 6) == out
+    with pytest.raises(ConfigError, match=r"runtime.dense_precision='int8' with runtime.cpu_kernels='torch'"):
+        EngineConfig().replace(dense_precision="int8", cpu_kernels="torch").validate()
+    # fp32 weights: PyTorch's products, no native kernels to run int8 on; the engine keeps its config.
+    fp32 = Engine(make_ckpt("qwen3_moe", dtype="float32", seed=3, width=32), EngineConfig())
+    assert not fp32.model.native
+    before = fp32.config
+    with pytest.raises(ConfigError, match=r"^runtime.dense_precision='int8': int8 dense matrices run on the native"):
+        fp32.reconfigure(before.replace(dense_precision="int8"))
+    assert fp32.config is before and fp32.model.dense_precision == "as_loaded" and fp32.generate([PROMPTS[0]], 2)
 
 
 def test_decode_steps_the_fused_path_cannot_run_take_the_per_op_path(make_ckpt):

@@ -77,11 +77,11 @@ def test_llama_cpp_greedy_tokens_are_the_engines(ckpt, tmp_path):
 def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, native_kernels):
     assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1", "--rounds", "1", "--staggered", "0",
-                 "--systems", "transformers,engine,engine_int8,engine_int4,llama_bf16", "--json"]) == 0
+                 "--systems", "transformers,engine,engine_int8,engine_q8,engine_int4,llama_bf16", "--json"]) == 0
     cap = capsys.readouterr()
     res = json.loads(cap.out.strip().splitlines()[-1])
     assert "int4_group_size=128" in res["skipped"]["engine_int4"]  # hidden 64: a one-line reason, not a crash
-    measured = ["transformers", "engine", "engine_int8"] + (["llama_bf16"] if llama_cpp.available() is None else [])
+    measured = ["transformers", "engine", "engine_int8", "engine_q8"] + (["llama_bf16"] if llama_cpp.available() is None else [])
     if llama_cpp.available() is not None:
         assert "not installed" in res["skipped"]["llama_bf16"]
     assert sorted(res["systems"]) == sorted(measured)
@@ -97,9 +97,14 @@ def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, nativ
         assert row["engine_roofline"]["compute_roofline_tokens_per_s"] > 0
         # each engine row records which decode path ran: one native call a step for bf16 and int8 experts
         assert row["engine_decode_steps_fused"] == row["engine_int8_decode_steps_fused"] == 1.0
+        assert row["engine_q8_decode_steps_fused"] == 1.0
+        # int8 dense matrices too: fewer bytes again (attention and the lm head in int8)
+        assert row["engine_q8_roofline"]["weight_bytes_per_step"] < row["engine_int8_roofline"]["weight_bytes_per_step"]
         # int8 experts read fewer bytes than bf16 ones
         assert row["engine_int8_roofline"]["weight_bytes_per_step"] < row["engine_roofline"]["weight_bytes_per_step"]
-    assert {t["target"] for t in res["targets"]} >= {"prefill b=1: x transformers bf16"}
+    assert {t["target"] for t in res["targets"]} >= {"prefill b=1: x transformers bf16",
+                                                     "int8 weights (experts and dense) b=1: x llama.cpp q8_0"}
+    assert res["systems"]["engine_q8"]["dense"] == "int8" and res["systems"]["engine"]["dense"] == "as_loaded"
     assert res["kernel_dispatch"]["available"]
 
 

@@ -244,6 +244,16 @@ def test_pricing_orders_what_the_hardware_orders():
     assert fetch != host
 
 
+def test_int8_dense_matrices_price_faster_on_a_host_and_are_refused_where_the_engine_refuses_them():
+    """Host-only: the dense products and the lm head read half the bytes; with a device (the dense matrices on
+    the GPU) or without native kernels the simulator refuses the knob as the live engine does."""
+    as_loaded = _tok_s("builtin:zen4-desktop", compute_dtype="float32")
+    assert _tok_s("builtin:zen4-desktop", compute_dtype="float32", dense_precision="int8") > as_loaded
+    for profile, knobs in (("builtin:h100-pcie", {}), ("builtin:zen4-desktop", {"compute_dtype": "bfloat16"})):
+        with pytest.raises(ConfigError, match=r"^sim backend: runtime.dense_precision='int8': "):
+            _tok_s(profile, dense_precision="int8", **knobs)
+
+
 SIM_WITHOUT_TORCH = """
 import json, sys
 sys.modules["torch"] = None  # any import of torch now fails
