@@ -161,7 +161,9 @@ def test_bad_hybrid_configs_fail_before_model_work(model_dir, knobs, needle):
 def test_inert_knobs_without_gpu():
     inert = inert_knobs(has_gpu=False)
     assert "execution.expert_sm_share" in inert and "execution.decode_attention" in inert
-    assert inert_knobs(has_gpu=True) == {}
+    assert "runtime.dense_precision" not in inert
+    # With a GPU the model runs there: only the native CPU kernels' knobs are inert.
+    assert set(inert_knobs(has_gpu=True)) == {"runtime.dense_precision"}
 
 
 def test_a_cpu_fast_tier_version_in_the_hosts_dtype_is_the_host_tensors():
