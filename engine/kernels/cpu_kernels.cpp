@@ -1297,9 +1297,9 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, c
 // attention, routing and experts as the per-op path, called from C++ instead of Python. At one token a
 // step runs ~12 ops a layer; from Python each costs its dispatch and the glue between them (about a
 // fifth of a batch-1 step of the medium model on a 2-core vCPU), from here nothing but the op itself.
-// The weights are registered once (add_layer), the KV caches whenever they are reallocated (set_cache).
+// The weights are registered once (add_attention, set_moe/set_mlp, set_int8), the KV caches whenever they are reallocated (set_cache).
 
-inline std::optional<at::Tensor> opt_scales(const at::Tensor& t) {
+inline std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
@@ -1308,7 +1308,7 @@ inline std::optional<at::Tensor> opt_scales(const at::Tensor& t) {
 // `scales` the weights are int8 with one scale per row (runtime.dense_precision=int8) and `path` is native.
 at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::string& path, const at::Tensor& bias,
                        const at::Tensor& scales = at::Tensor()) {
-  const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  const std::optional<at::Tensor> b = opt(bias);
   if (scales.defined()) TORCH_CHECK(path.rfind("torch:", 0) != 0, "moetune::DecodeStack: int8 weights need a native path");
   if (path == "torch:widen") return at::linear(x, w.to(at::kFloat), b);
   if (path == "torch:bf16") {
@@ -1321,7 +1321,7 @@ at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::stri
     const std::string mode = p.substr(colon + 1);
     if (mode == "q8" || mode == "bf16dp" || mode == "tile") p = p.substr(0, colon) + ":f32";
   }
-  return linear_q(x, w, opt_scales(scales), 0, w.size(0), p, b);
+  return linear_q(x, w, opt(scales), 0, w.size(0), p, b);
 }
 
 // The SwiGLU MLP of dense layers and shared experts: silu(x W_g^T) * (x W_u^T), then W_d (as the per-op path).
@@ -1330,10 +1330,6 @@ at::Tensor mlp_path(const at::Tensor& x, const at::Tensor& w13, const at::Tensor
   const at::Tensor gu = linear_path(x, w13, path, at::Tensor(), s13);
   const int64_t d = gu.size(1) / 2;
   return linear_path(at::mul(at::silu(gu.narrow(1, 0, d)), gu.narrow(1, d, d)), w2, path, at::Tensor(), s2);
-}
-
-inline std::optional<at::Tensor> opt(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
 inline at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }

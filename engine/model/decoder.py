@@ -26,6 +26,7 @@ from engine.moe.experts import Grouped
 from engine.moe.policy.controller import PlanSettings, ResidencyController
 from engine.moe.policy.plan import DecisionLog, MoEStats
 from engine.moe.policy.routing import prune_routes
+from engine.precision import precision_of
 from engine.sequences import Segment
 
 __all__ = ["KVCache", "LayerWeights", "MoEDecoder", "MoEStats", "RouteRecord", "Segment", "StepBatch", "rms_norm"]
@@ -80,11 +81,9 @@ class LayerWeights:
     # ``mlp_w13``, ...): made on the first runtime.dense_precision=int8 and kept (MoEDecoder.set_dense_precision)
     int8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
+
 #: The dense matrices runtime.dense_precision=int8 stores in int8 (routers and the shared-expert gate stay).
 INT8_DENSE = ("wqkv", "wo", "mlp_w13", "mlp_w2", "shared_w13", "shared_w2")
-
-
-_HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -383,7 +382,7 @@ class MoEDecoder:
         if self.hybrid is None:
             if any(lw.router is not None and lw.w13 is None for lw in self.layers):
                 return None
-            prec = _HALF_NAMES[self.weight_dtype]
+            prec = precision_of(self.weight_dtype)
             return [(prec, lw.w13, None, lw.w2, None, 0) for lw in self.layers if lw.router is not None]
         stacked = self.hybrid.stacked
         if stacked is None:
@@ -421,7 +420,7 @@ class MoEDecoder:
                     stack.set_mlp(lw.mlp_w13, lw.mlp_w2)
                 for name, (q, sc) in (lw.int8 or {}).items() if self.dense_precision == "int8" else ():
                     stack.set_int8(name, q, sc)
-            prec = experts[0][0] if experts else _HALF_NAMES[self.weight_dtype]
+            prec = experts[0][0] if experts else precision_of(self.weight_dtype)
             self._stack = ((None, None), stack, prec, self.hybrid.stacked if self.hybrid is not None else None)
         (serial, capacity), stack, prec, held = self._stack
         t = int(plan.lens.shape[0])
@@ -437,7 +436,7 @@ class MoEDecoder:
         dense matrices always take a native path: the fused step and :func:`kernels.linear_int8` read them)."""
         if self.dense_precision == "int8":
             return kernels.native_path("int8", tokens)
-        return kernels.path(_HALF_NAMES[self.weight_dtype], tokens)
+        return kernels.path(precision_of(self.weight_dtype), tokens)
 
     def _fused_decode(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       plan: _AttentionPlan) -> None:
