@@ -463,6 +463,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
                    for r in wl.requests[: args.max_prompts]]
     else:
         prompts = synthetic_prompts(engine.spec.vocab_size, n=args.max_prompts, seed=engine.config.runtime.seed)
+    if args.llama:
+        if args.text:
+            raise ConfigError("eval: --text (perplexity) is measured for the engine's configs, not with --llama")
+        from engine.quality import evaluate_llama
+
+        res = evaluate_llama(engine, args.llama, prompts)
+        print(f"quality of llama.cpp on {res['gguf']} ({args.llama}) against {engine.model_path}'s fp32 reference "
+              f"({res['prompts']} prompts, {res['positions']} positions):")
+        print(f"  next-token top-1 agreement {res['top1_agreement']:.4f}   mean KL {res['mean_kl']:.3e}")
+        if args.json:
+            print(json.dumps({**res, "provenance": {"system": "llama.cpp", "gguf": args.llama}}))
+        return 0
     res = evaluate(engine, prompts, text_file=args.text)
     res["config_hash"] = engine.config.config_hash()
     print(f"quality of {engine.model_path} with config {res['config_hash']} against its fp32 reference "
@@ -658,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prompts", help="a workload (path or builtin:<name>) whose prompts to score")
     q.add_argument("--max-prompts", type=int, default=8)
     q.add_argument("--text", help="a text file for perplexity (needs the model's tokenizer.json)")
+    q.add_argument("--llama", metavar="KIND",
+                   help="score llama.cpp on a GGUF of this kind (bf16, q8_0, q4_0) instead of the engine's config, on the same "
+                        "prompts and reference (qwen3_moe checkpoints; needs the llama extra)")
     model_args(q)
     q.set_defaults(fn=cmd_eval)
 

@@ -220,6 +220,19 @@ class LlamaCpp:
         return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
                                                     shape=(self.n_vocab,))))
 
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """Teacher-forced next-token logits at every position of ``prompt`` (one sequence, a fresh cache):
+        [len, V] fp32, as :func:`engine.quality.prompt_logits` gives the engine's."""
+        if len(prompt) > self.max_batch:
+            raise ValueError(f"a prompt of {len(prompt)} tokens for a context of {self.max_batch}")
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self._decode([(tok, j, 0, True) for j, tok in enumerate(prompt)])
+        rows = []
+        for i in range(len(prompt)):
+            ptr = ctypes.cast(self.lc.llama_get_logits_ith(self.ctx, i), ctypes.POINTER(ctypes.c_float))
+            rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return torch.from_numpy(np.stack(rows))
+
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
         """Prefill every prompt in one batch (timed), then decode them together; returns (prefill seconds,
         seconds per decode step, generated ids per prompt)."""

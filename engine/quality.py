@@ -82,6 +82,37 @@ def perplexity(engine: Engine, ids: list[int], window: int = 512) -> float:
     return math.exp(nll / max(n, 1))
 
 
+def evaluate_llama(engine: Engine, kind: str, prompts: list[list[int]] | None = None) -> dict[str, Any]:
+    """Quality of llama.cpp running ``engine``'s checkpoint as a GGUF of ``kind`` (bf16, q8_0, q4_0; written
+    into the cache directory on first use), against the engine's full-precision reference on the same
+    prompts: the measure :func:`evaluate` gives the engine's own configs, so the two compare directly.
+    ValueError where llama-cpp-python is not installed; CheckpointError where the family has no GGUF writer."""
+    from engine import llama_cpp
+    from engine.compare_hf import gguf_file
+    from engine.model.checkpoint import Checkpoint
+
+    why = llama_cpp.available()
+    if why is not None:
+        raise ValueError(f"llama.cpp {kind}: {why}")
+    if kind not in llama_cpp.GGUF_KINDS:
+        raise ValueError(f"llama.cpp {kind!r}: not one of {', '.join(llama_cpp.GGUF_KINDS)}")
+    prompts = prompts or synthetic_prompts(engine.spec.vocab_size, seed=engine.config.runtime.seed)
+    path = gguf_file(Path(engine.model_path), Checkpoint(engine.model_path).fingerprint(), kind)
+    cand_cfg = engine.config
+    engine.reconfigure(reference_config(cand_cfg))
+    ref = [prompt_logits(engine, p) for p in prompts]
+    engine.reconfigure(cand_cfg)
+    runner = llama_cpp.LlamaCpp(path, 1, max(len(p) for p in prompts) + 1, torch.get_num_threads())
+    try:
+        cand = [runner.prompt_logits(p) for p in prompts]
+    finally:
+        runner.close()
+    out = compare_logits(ref, cand)
+    out["prompts"] = len(prompts)
+    out["gguf"] = str(path)
+    return out
+
+
 def evaluate(engine: Engine, prompts: list[list[int]] | None = None, text_file: str | None = None
              ) -> dict[str, Any]:
     """Quality of ``engine``'s current config against its full-precision reference.

@@ -229,6 +229,31 @@ inline std::vector<ExpertRows> expert_row_blocks(const Routes& R, int64_t E, int
   return items;
 }
 
+// How moe_kind splits its work among threads. Where every expert sees few tokens (decode at small
+// batches) the products are bound by reading the weights, and the hardware prefetchers stream long
+// contiguous runs best: each phase's items are a few per thread, each a long run of one expert's rows
+// (phase 1: gate and up rows of an expert; phase 2: output rows, every routed expert's down rows in
+// turn). With more tokens an expert's rows are reused across its tokens, and small items (32 gate/up
+// rows, 16 output rows) balance the threads.
+struct Spans {
+  int64_t rows;      // phase 1: gate/up rows per item
+  int64_t out_rows;  // phase 2: output rows per item
+};
+constexpr int64_t kStreamTokens = 2;  // most tokens per expert at which the items are long runs
+inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
+  int64_t most = 0, active = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = R.offset[e + 1] - R.offset[e];
+    most = std::max(most, n);
+    active += n > 0;
+  }
+  if (most > kStreamTokens || active == 0) return {32, 16};
+  const int64_t items = 4 * std::max(n_threads, 1);  // a few items a thread: the dynamic schedule balances
+  const int64_t rows = std::max<int64_t>(32, (active * inter + items - 1) / items / 32 * 32);
+  const int64_t out_rows = std::max<int64_t>(16, (H + items - 1) / items / 16 * 16);
+  return {std::min(rows, inter), std::min(out_rows, H)};
+}
+
 // exp of each lane: exp(r) = 2^n * p(r'), n = round(r log2 e), r' = r - n ln 2 in [-ln2/2, ln2/2], p the
 // degree-6 Taylor polynomial (relative error ~1e-7); r clamped to [-87.3, 88] (no denormals, no overflow).
 #if defined(__AVX512F__)
@@ -1657,6 +1682,7 @@ struct V256 {  // one q8 block per integer vector
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static F ffma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
   static F fset(float v) { return _mm256_set1_ps(v); }
   static float fsum(F a) { return vsum256(a); }
   static float vsum256(__m256 a) {
@@ -1704,6 +1730,7 @@ struct V512 {  // two q8 blocks per integer vector
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static F ffma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
   static F fset(float v) { return _mm512_set1_ps(v); }
   static float fsum(F a) { return _mm512_reduce_add_ps(a); }
   static I iload(const void* p) { return _mm512_loadu_si512(p); }
@@ -1749,6 +1776,24 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t l
   }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]);
+}
+
+// One row of int8 weights x one token's q8 activations, read as one stream (as dot_row_f32 reads its
+// rows): four accumulators along the row, a prefetch kRowAhead bytes ahead. K % V::kValues == 0.
+template <class V>
+inline float dot_row_i8q8(const int8_t* w, const Act& x, int64_t K) {
+  typename V::F a[4] = {V::fzero(), V::fzero(), V::fzero(), V::fzero()};
+  auto step = [&](typename V::F& acc, int64_t k) {
+    const typename V::I wv = V::iload(w + k);
+    acc = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(V::iload(x.q + k), wv))), V::fload(x.d + k / 4), acc);
+  };
+  int64_t k = 0;
+  for (; k + 4 * V::kValues <= K; k += 4 * V::kValues) {
+    for (int64_t b = 0; b < 4 * V::kValues; b += 64) __builtin_prefetch(w + k + b + kRowAhead, 0, kPrefetchL2);
+    for (int i = 0; i < 4; ++i) step(a[i], k + i * V::kValues);
+  }
+  for (; k < K; k += V::kValues) step(a[0], k);
+  return V::fsum(V::fadd(V::fadd(a[0], a[1]), V::fadd(a[2], a[3])));
 }
 
 // int4 weights x q8 activations. Rows: chunks of 64 values in 32 bytes (j low nibble, j + 32 high),
@@ -2033,6 +2078,22 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
       return;
     }
   }
+#if MT_ISA >= MT_AVX2
+  if constexpr (KD == Kind::I8Q8) {
+    if (n_tok == 1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
+#if MT_ISA >= MT_AVX512
+        const float v = K % V512::kValues == 0 ? dot_row_i8q8<V512>(w, x[0], K) : dot_row_i8q8<V256>(w, x[0], K);
+#else
+        const float v = dot_row_i8q8<V256>(w, x[0], K);
+#endif
+        sink(r, 0, v * row_scale(m, r));
+      }
+      return;
+    }
+  }
+#endif
 #if MT_ISA >= MT_AVX512BF16
   if constexpr (KD == Kind::Bf16Dp) {
     if (n_tok == 1) {
@@ -2078,8 +2139,9 @@ void moe_kind(const MoeJob& j, float* op) {
   std::vector<Act> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = j.hacts[R.tok[p]];
   std::vector<float> act(P * inter);
-  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, 32);
   const int n_threads = at::get_num_threads();
+  const Spans sp = moe_spans(R, E, inter, H, n_threads);
+  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, sp.rows);
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
   for (int64_t it = 0; it < n_items; ++it) {
@@ -2094,7 +2156,7 @@ void moe_kind(const MoeJob& j, float* op) {
   }
   Prepared as;
   prepare(act.data(), P, inter, KD, G, as);
-  parallel_chunks(H, 16, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(H, sp.out_rows, [&](int64_t r0, int64_t r1) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
       if (n == 0) continue;

@@ -74,6 +74,29 @@ def test_llama_cpp_greedy_tokens_are_the_engines(ckpt, tmp_path):
         assert out == ref and len(steps) == 7 and prefill_s > 0, kind
 
 
+def test_eval_scores_llama_cpp_against_the_engines_reference(ckpt, capsys):
+    """`engine eval --llama KIND`: llama.cpp's next-token agreement on the same prompts and fp32 reference as
+    the engine's configs get, so their quality compares directly; coarser GGUFs drift further."""
+    base = ["eval", "--model", str(ckpt), "--max-prompts", "2", "--json"]
+    if llama_cpp.available() is not None:
+        assert main([*base, "--llama", "q8_0"]) == 2
+        assert "not installed" in capsys.readouterr().err
+        return
+    kl = {}
+    for kind in ("bf16", "q8_0", "q4_0"):
+        assert main([*base, "--llama", kind]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert res["provenance"] == {"system": "llama.cpp", "gguf": kind}
+        assert res["prompts"] == 2 and res["positions"] == 128 and kind in res["gguf"]
+        assert res["top1_agreement"] >= 0.9, (kind, res)
+        kl[kind] = res["mean_kl"]
+    assert 0 <= kl["bf16"] < kl["q8_0"] < kl["q4_0"] < 1e-2, kl
+    assert main([*base, "--llama", "q5_k"]) == 2
+    assert "'q5_k'" in capsys.readouterr().err
+    assert main([*base, "--llama", "q8_0", "--text", "x.txt"]) == 2
+    assert "--text" in capsys.readouterr().err
+
+
 def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, native_kernels):
     assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1", "--rounds", "1", "--staggered", "0",
