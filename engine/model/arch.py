@@ -92,6 +92,20 @@ class ModelSpec:
             n += 3 * h * self.dense_intermediate
         return n
 
+    def int8_dense_bytes(self) -> int:
+        """Bytes of the int8 copies runtime.dense_precision=int8 keeps beside the loaded weights: the attention
+        projections, dense and shared MLPs and the lm head, one byte a weight and a bf16 scale a row (norms,
+        routers and the shared-expert gate stay as loaded)."""
+        h = self.hidden_size
+        total = self.vocab_size * (h + 2)
+        for layer in range(self.n_layers):
+            mats = [(self.q_size + 2 * self.kv_size, h), (h, self.q_size)]  # [rows, inner]
+            inter = (self.shared_expert_intermediate if self.is_moe_layer(layer) else self.dense_intermediate) or 0
+            if inter:
+                mats += [(2 * inter, h), (h, inter)]
+            total += sum(rows * (inner + 2) for rows, inner in mats)
+        return total
+
     def total_params(self) -> int:
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed

@@ -648,7 +648,8 @@ def decision_costs(pricer: StepPricer) -> CostModel:
 def memory_need(spec: ModelSpec, config: EngineConfig, settings: PlanSettings, loaded: str, compute: str,
                 profile: Profile) -> str | None:
     """Why ``config`` does not fit the profile's memories (one line), or None: the fast tier holds the
-    dense weights, the resident experts (all of them under ``residency=all``, else the budget) and
+    dense weights (and their int8 copies under ``runtime.dense_precision=int8``), the resident experts (all
+    of them under ``residency=all``, else the budget) and
     replicas, the KV cache at full size (``max_batch_seqs`` x ``max_seq_len_tokens``, unless decode
     attention keeps it on the host); with a device, the host holds every expert's host copy. Under
     expert parallelism (``parallel.ep_size`` = N, at most the profile's ``devices``) each device holds
@@ -661,6 +662,8 @@ def memory_need(spec: ModelSpec, config: EngineConfig, settings: PlanSettings, l
     wb = FLOAT_BYTES.get(loaded, 4)
     n_experts = spec.n_experts * len(spec.moe_layers)
     dense_bytes = (spec.total_params() - spec.expert_params() * n_experts) * wb
+    if config.runtime.dense_precision == "int8":  # int8 copies beside the weights as loaded (kept for switching back)
+        dense_bytes += spec.int8_dense_bytes()
     if par.ep_size > 1:  # the experts (copies) this device holds
         n_moe = len(spec.moe_layers)
         pl = place_experts(par.ep_placement, par.ep_size, spec.n_experts, n_moe, None, par.redundant_experts)

@@ -473,6 +473,16 @@ def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(ma
     assert fp32.config is before and fp32.model.dense_precision == "as_loaded" and fp32.generate([PROMPTS[0]], 2)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_the_spec_counts_the_int8_dense_copies_the_engine_makes(make_ckpt, arch, native_kernels):
+    """ModelSpec.int8_dense_bytes (what the simulator adds to a config's memory) is what the engine holds."""
+    e = Engine(make_ckpt(arch, dtype="bfloat16"), EngineConfig().replace(dense_precision="int8"))
+    m = e.model
+    held = sum(t.numel() * t.element_size() for lw in m.layers for pair in lw.int8.values() for t in pair)
+    held += sum(t.numel() * t.element_size() for t in m.lm_head_int8)
+    assert e.spec.int8_dense_bytes() == held
+
+
 def test_decode_steps_the_fused_path_cannot_run_take_the_per_op_path(make_ckpt):
     """Routing overrides (pruned in Python) and plans that need the hybrid executor (static residency) run
     op by op; switching back to a plain config fuses again, on the new executor's experts."""

@@ -254,6 +254,28 @@ def test_int8_dense_matrices_price_faster_on_a_host_and_are_refused_where_the_en
             _tok_s(profile, dense_precision="int8", **knobs)
 
 
+def test_int8_dense_copies_count_in_the_memory_a_config_needs():
+    """runtime.dense_precision=int8 keeps int8 copies beside the weights as loaded: a host that fits the
+    model as loaded may not fit the copies too, and the refusal counts them among the dense weights."""
+    import dataclasses
+    import re
+
+    from engine.model.shapes import shape_spec
+    from engine.sim.profile import load_profile
+
+    spec, _ = shape_spec("qwen3-30b-a3b")
+    prof = load_profile("builtin:zen4-desktop")
+    tiny = dataclasses.replace(prof, host=dataclasses.replace(prof.host, mem_bytes=2**30))
+    dense = {}
+    for precision in ("as_loaded", "int8"):
+        with pytest.raises(ConfigError, match=r"dense weights [0-9.]+") as e:
+            make_backend("shape:qwen3-30b-a3b", _small(compute_dtype="float32", dense_precision=precision),
+                         kind="sim", profile=tiny)
+        dense[precision] = float(re.search(r"dense weights ([0-9.]+)", str(e.value)).group(1))
+    assert dense["int8"] - dense["as_loaded"] == pytest.approx(spec.int8_dense_bytes() / 2**30, abs=0.1)
+    assert spec.int8_dense_bytes() > 2**30  # the attention projections and the lm head of 48 layers, in int8
+
+
 SIM_WITHOUT_TORCH = """
 import json, sys
 sys.modules["torch"] = None  # any import of torch now fails
