@@ -104,7 +104,8 @@ class RuntimeConfig:
         "as_loaded",
         "Precision of the dense matrices every token reads (attention projections, dense MLP layers, shared "
         "experts, lm head; routers stay in the compute dtype): as_loaded = the weight dtype; int8 = int8 "
-        "copies with one scale per row (half the bytes of bf16, as llama.cpp's q8_0 stores them), made once "
+        "copies with an fp32 scale per 32 weights of a row (as llama.cpp's q8_0 stores them: about half the bytes "
+        "of bf16), made once "
         "and run on the native CPU kernels (an error where they do not run). Experts: experts.hi_precision.",
         search=Search(choices=("as_loaded", "int8")),
         when={"cpu_kernels": ("auto", "native"), "compute_dtype": ("auto", "float32")}, needs="cpu")

@@ -398,13 +398,21 @@ def reads_int8(q: torch.Tensor, x: torch.Tensor) -> bool:
             and x.device.type == "cpu" and not path("int8", x.numel() // max(1, x.shape[-1])).startswith("torch:"))
 
 
+def int8_path(tokens: int, grouped: bool = False) -> str:
+    """The native path of int8 products at ``tokens`` tokens: the measured one, or with ``grouped`` (a scale
+    per group of 32 or more weights of a row) its variant's q8 mode, which applies those scales per block
+    of 32 as it goes (the f32 mode would run group by group)."""
+    p = native_path("int8", tokens)
+    return p.split(":")[0] + ":q8" if grouped else p
+
+
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (q * scales[:, None]).T + bias`` in fp32 for int8 ``q`` [N, K] with one scale per row, on the
-    native int8 path measured fastest for this token count."""
+    """``x @ dequant(q).T + bias`` in fp32 for int8 ``q`` [N, K] with one scale per row (``scales`` [N]) or
+    per group of a row (``scales`` [N, K / group], fp32), on the native int8 path for this token count."""
     rows = x.reshape(-1, x.shape[-1])
-    y = ops().linear_q(rows.contiguous(), q, scales, 0, q.shape[0], _fit(native_path("int8", rows.shape[0]),
-                                                                         q.shape[1]), bias)
+    path_ = _fit(int8_path(rows.shape[0], scales.dim() == 2), q.shape[1])
+    y = ops().linear_q(rows.contiguous(), q, scales, 0, q.shape[0], path_, bias)
     return y.reshape(*x.shape[:-1], q.shape[0])
 
 

@@ -137,11 +137,19 @@ struct Mat {
   const void* w = nullptr;
   int64_t ld = 0;                    // elements between rows (bytes for int4: K / 2)
   const uint16_t* sc16 = nullptr;    // int8: bf16 row scales [N]; int4: bf16 (scale, zero) [K/G, n_pad, 2]
-  const float* sc32 = nullptr;       // int8: fp32 row scales [N]
+  const float* sc32 = nullptr;       // int8: fp32 row scales [N], or with sg, fp32 group scales [N, K / sg]
   int64_t n_pad = 0;                 // int4: rows of the scale layout
+  int64_t sg = 0;                    // int8: values per scale (0: one scale a row)
 };
 
-inline float row_scale(const Mat& m, int64_t r) { return m.sc32 ? m.sc32[r] : bf16_to_f(m.sc16[r]); }
+// (1 where the matrix has no scales: a group's slice, scaled by its caller)
+inline float row_scale(const Mat& m, int64_t r) { return m.sc32 ? m.sc32[r] : m.sc16 ? bf16_to_f(m.sc16[r]) : 1.f; }
+inline float group_scale(const Mat& m, int64_t r, int64_t g) { return m.sc32[r * (m.ld / m.sg) + g]; }
+inline const float* group_scales(const Mat& m, int64_t r) { return m.sc32 + r * (m.ld / m.sg); }
+// log2 of the int8 scale group where the q8 products apply its scales per block (a power of two), else -1.
+inline int group_shift(const Mat& m) {
+  return m.sg >= 32 && (m.sg & (m.sg - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(m.sg)) : -1;
+}
 
 // One activation row in the forms the kinds read.
 struct Act {
@@ -620,10 +628,18 @@ Mat make_mat(const at::Tensor& w, const at::Tensor& s, Fmt fmt, int64_t n, int64
   TORCH_CHECK(w.size(0) == n && w.size(1) == K, "moetune::", what, ": weights ", w.sizes(), " are not [", n, ", ",
               K, "]");
   m.ld = K;
-  if (fmt == Fmt::I8) {
+  if (fmt == Fmt::I8 && s.defined() && s.dim() == 2) {  // a scale per group of sg values of a row
+    const int64_t groups = s.size(1), sg = groups > 0 && K % groups == 0 ? K / groups : 0;
+    TORCH_CHECK(s.size(0) == n && sg > 0 && sg % kQBlock == 0 && s.is_contiguous() && s.scalar_type() == at::kFloat,
+                "moetune::", what, ": int8 group scales must be contiguous fp32 [", n, ", K / group] with a group ",
+                "of a multiple of 32 dividing ", K, ", got ", s.scalar_type(), " ", s.sizes());
+    m.sc32 = s.data_ptr<float>();
+    m.sg = sg;
+  } else if (fmt == Fmt::I8) {
     TORCH_CHECK(s.defined() && s.numel() == n && s.is_contiguous() &&
                     (s.scalar_type() == at::kBFloat16 || s.scalar_type() == at::kFloat),
-                "moetune::", what, ": int8 weights need ", n, " contiguous bf16 or fp32 row scales");
+                "moetune::", what, ": int8 weights need ", n, " contiguous bf16 or fp32 row scales (or fp32 group ",
+                "scales [", n, ", K / group])");
     if (s.scalar_type() == at::kFloat) m.sc32 = s.data_ptr<float>();
     else m.sc16 = static_cast<const uint16_t*>(s.data_ptr());
   }
@@ -702,7 +718,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                   q.size(1) == x.size(1),
               "moetune::linear_int8: weights must be a contiguous int8 [N, ", x.size(1), "] CPU tensor, got ",
               q.sizes());
-  TORCH_CHECK(scales.numel() == q.size(0), "moetune::linear_int8: ", q.size(0), " rows but ", scales.numel(), " scales");
+  TORCH_CHECK(scales.numel() == q.size(0) || (scales.dim() == 2 && scales.size(0) == q.size(0)), "moetune::linear_int8: ",
+              q.size(0), " rows but scales ", scales.sizes());
   return linear_q(x, q, scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16 ? scales
                                                                                                  : scales.to(at::kFloat),
                   0, 0, "", std::nullopt);
@@ -1421,8 +1438,10 @@ struct DecodeStack : torch::CustomClassHolder {
   // name is wqkv, wo, mlp_w13, mlp_w2, shared_w13 or shared_w2.
   void set_int8(std::string name, at::Tensor q, at::Tensor scales) {
     TORCH_CHECK(!layers.empty(), "moetune::DecodeStack: set_int8 before add_attention");
-    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && scales.numel() == q.size(0),
-                "moetune::DecodeStack.set_int8: ", name, ": int8 [N, K] weights and N scales expected");
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 &&
+                    (scales.numel() == q.size(0) || (scales.dim() == 2 && scales.size(0) == q.size(0))),
+                "moetune::DecodeStack.set_int8: ", name, ": int8 [N, K] weights and N row scales or [N, K / group] ",
+                "group scales expected");
     DecodeLayer& l = layers.back();
     at::Tensor* slot[2] = {nullptr, nullptr};
     if (name == "wqkv") slot[0] = &l.wqkv, slot[1] = &l.wqkv_s;
@@ -1758,8 +1777,11 @@ struct V512 {  // two q8 blocks per integer vector
 #if MT_ISA >= MT_AVX2
 // int8 weights x q8 activations; K % V::kValues == 0. Products |w| * (x * sign(w)) keep vpmaddubsw's
 // unsigned operand non-negative (llama.cpp's q8_0 AVX2 trick).
-template <class V, int NR, int NT>
-inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t ld, float* s) {
+// GR: the weights have a scale per group of 2^gshift values (gs[r]: row r's), applied per block (the
+// groups are multiples of the block); else the caller applies the row scales.
+template <class V, int NR, int NT, bool GR = false>
+inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t ld, float* s,
+                      const float* const* gs = nullptr, int gshift = 0) {
   typename V::F acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::fzero();
@@ -1770,8 +1792,14 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t l
     for (int t = 0; t < NT; ++t) xv[t] = V::iload(x[t].q + k);
     for (int r = 0; r < NR; ++r) {
       const typename V::I wv = V::iload(w[r] + k), aw = V::iabs(wv);
-      for (int t = 0; t < NT; ++t)
-        acc[r][t] = V::ffma(V::i2f(V::dp(aw, V::isign(xv[t], wv))), V::fload(x[t].d + k / 4), acc[r][t]);
+      if constexpr (GR) {
+        const typename V::F sv = V::fset(gs[r][k >> gshift]);
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = V::ffma(V::i2f(V::dp(aw, V::isign(xv[t], wv))), V::fmul(V::fload(x[t].d + k / 4), sv), acc[r][t]);
+      } else {
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = V::ffma(V::i2f(V::dp(aw, V::isign(xv[t], wv))), V::fload(x[t].d + k / 4), acc[r][t]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -1780,12 +1808,15 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t l
 
 // One row of int8 weights x one token's q8 activations, read as one stream (as dot_row_f32 reads its
 // rows): four accumulators along the row, a prefetch kRowAhead bytes ahead. K % V::kValues == 0.
-template <class V>
-inline float dot_row_i8q8(const int8_t* w, const Act& x, int64_t K) {
+// GR: a scale per group of 2^gshift values (gs), as dots_i8q8.
+template <class V, bool GR = false>
+inline float dot_row_i8q8(const int8_t* w, const Act& x, int64_t K, const float* gs = nullptr, int gshift = 0) {
   typename V::F a[4] = {V::fzero(), V::fzero(), V::fzero(), V::fzero()};
   auto step = [&](typename V::F& acc, int64_t k) {
     const typename V::I wv = V::iload(w + k);
-    acc = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(V::iload(x.q + k), wv))), V::fload(x.d + k / 4), acc);
+    typename V::F d = V::fload(x.d + k / 4);
+    if constexpr (GR) d = V::fmul(d, V::fset(gs[k >> gshift]));
+    acc = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(V::iload(x.q + k), wv))), d, acc);
   };
   int64_t k = 0;
   for (; k + 4 * V::kValues <= K; k += 4 * V::kValues) {
@@ -1991,9 +2022,66 @@ constexpr int max_tokens() {
 #endif
 }
 
+// The activations of a token from inner index off on (an int8 weight group's slice).
+inline Act act_slice(const Act& a, int64_t off) {
+  Act s = a;
+  if (a.x) s.x = a.x + off;
+  if (a.q) s.q = a.q + off;
+  if (a.d) s.d = a.d + off / 4;  // 8 copies of each block's scale: index k / 4
+  return s;
+}
+
+template <Kind KD, int NR, int NT>
+inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t G, float* s);
+
+// int8 weights with a scale per group of m.sg values: each group's slice as an unscaled product, then
+// scaled and summed.
+template <Kind KD, int NR, int NT>
+inline void tile_dots_grouped(const Mat& m, int64_t r, const Act* x, int64_t K, float* s) {
+  for (int i = 0; i < NR * NT; ++i) s[i] = 0.f;
+  Mat part = m;
+  part.sg = 0;
+  part.sc16 = nullptr;
+  part.sc32 = nullptr;
+  Act xs[NT];
+  float d[NR * NT];
+  for (int64_t g = 0; g < K / m.sg; ++g) {
+    for (int t = 0; t < NT; ++t) xs[t] = act_slice(x[t], g * m.sg);
+    part.w = static_cast<const int8_t*>(m.w) + g * m.sg;
+    tile_dots<KD, NR, NT>(part, r, xs, m.sg, 0, d);
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < NT; ++j) s[i * NT + j] += d[i * NT + j] * group_scale(m, r + i, g);
+  }
+}
+
 // s[i * NT + j] = dot(row r + i of m, token j), for NR rows and NT tokens.
 template <Kind KD, int NR, int NT>
 inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t G, float* s) {
+  if constexpr (KD == Kind::I8F32 || KD == Kind::I8Q8) {
+    if (m.sg) {
+#if MT_ISA >= MT_AVX2
+      const int shift = group_shift(m);
+      if (KD == Kind::I8Q8 && shift >= 0) {  // the group's scale applied per block, in the same pass
+        const int8_t* w[NR];
+        const float* gs[NR];
+        for (int i = 0; i < NR; ++i) {
+          w[i] = static_cast<const int8_t*>(m.w) + (r + i) * m.ld;
+          gs[i] = group_scales(m, r + i);
+        }
+#if MT_ISA >= MT_AVX512
+        if (K % V512::kValues == 0 && m.sg % V512::kValues == 0) {
+          dots_i8q8<V512, NR, NT, true>(w, x, K, m.ld, s, gs, shift);
+          return;
+        }
+#endif
+        dots_i8q8<V256, NR, NT, true>(w, x, K, m.ld, s, gs, shift);
+        return;
+      }
+#endif
+      tile_dots_grouped<KD, NR, NT>(m, r, x, K, s);
+      return;
+    }
+  }
   if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32 || KD == Kind::I8F32) {
     using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;
     using E = typename WT::elem;
@@ -2066,6 +2154,50 @@ inline void row_block(const Mat& m, int64_t r, const Act* x, int64_t t0, int64_t
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
                        Sink& sink) {
+  if constexpr (KD == Kind::I8F32 || KD == Kind::I8Q8) {
+#if MT_ISA >= MT_AVX2
+    if (KD == Kind::I8Q8 && n_tok == 1 && m.sg && group_shift(m) >= 0) {  // one stream a row, scales per block
+      const int shift = group_shift(m);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
+#if MT_ISA >= MT_AVX512
+        const float v = K % V512::kValues == 0 && m.sg % V512::kValues == 0
+                            ? dot_row_i8q8<V512, true>(w, x[0], K, group_scales(m, r), shift)
+                            : dot_row_i8q8<V256, true>(w, x[0], K, group_scales(m, r), shift);
+#else
+        const float v = dot_row_i8q8<V256, true>(w, x[0], K, group_scales(m, r), shift);
+#endif
+        sink(r, 0, v);
+      }
+      return;
+    }
+#endif
+    if (n_tok == 1 && m.sg) {  // int8 group scales, one token: each row's groups in turn
+      for (int64_t r = r0; r < r1; ++r) {
+        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
+        float v = 0.f;
+        for (int64_t g = 0, k = 0; k < K; ++g, k += m.sg) {
+          float d = 0.f;
+          if constexpr (KD == Kind::I8F32) {
+            d = dot_row_f32<I8T>(w + k, x[0].x + k, m.sg);
+          } else {
+            const Act xs = act_slice(x[0], k);
+#if MT_ISA >= MT_AVX512
+            d = m.sg % V512::kValues == 0 ? dot_row_i8q8<V512>(w + k, xs, m.sg) : dot_row_i8q8<V256>(w + k, xs, m.sg);
+#elif MT_ISA >= MT_AVX2
+            d = dot_row_i8q8<V256>(w + k, xs, m.sg);
+#else
+            const int8_t* wr[1] = {w + k};
+            dots_i8q8_scalar<1, 1>(wr, &xs, m.sg, &d);
+#endif
+          }
+          v += d * group_scale(m, r, g);
+        }
+        sink(r, 0, v);
+      }
+      return;
+    }
+  }
   if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32 || KD == Kind::I8F32) {
     if (n_tok == 1) {
       using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.model.arch import ModelSpec
+from engine.model.arch import DENSE_INT8_GROUP, ModelSpec
 from engine.model.checkpoint import Checkpoint
 from engine.moe.experts import Grouped
 from engine.moe.policy.controller import PlanSettings, ResidencyController
@@ -77,7 +77,8 @@ class LayerWeights:
     # dense MLP layers
     mlp_w13: torch.Tensor | None = None  # [2D, H]
     mlp_w2: torch.Tensor | None = None  # [H, D]
-    # int8 copies of the dense matrices above with one scale per row, by attribute name (``wqkv``, ``wo``,
+    # int8 copies of the dense matrices above with their scales (fp32 per DENSE_INT8_GROUP weights of a row; a
+    # row's where the group does not divide it), by attribute name (``wqkv``, ``wo``,
     # ``mlp_w13``, ...): made on the first runtime.dense_precision=int8 and kept (MoEDecoder.set_dense_precision)
     int8: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -290,7 +291,7 @@ class MoEDecoder:
 
     def set_dense_precision(self, precision: str) -> None:
         """Run the dense matrices (:data:`INT8_DENSE` and the lm head) ``"as_loaded"`` or in ``"int8"``: int8
-        copies with one scale per row, made on first use and kept, so switching back and forth costs
+        copies with a scale per :data:`DENSE_INT8_GROUP` weights of a row, made on first use and kept, so switching back and forth costs
         nothing. ValueError where the native CPU kernels do not run this model."""
         if precision not in ("as_loaded", "int8"):
             raise ValueError(f"dense precision {precision!r}: expected as_loaded or int8")
@@ -302,7 +303,9 @@ class MoEDecoder:
             from engine.moe import quant
 
             def q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                qw = quant.quantize(w, "int8")
+                if w.shape[1] % DENSE_INT8_GROUP == 0:
+                    return quant.quantize_int8_groups(w, DENSE_INT8_GROUP)
+                qw = quant.quantize(w, "int8")  # one scale a row
                 return qw.data.contiguous(), qw.scales.contiguous()
 
             for lw in self.layers:
@@ -435,7 +438,7 @@ class MoEDecoder:
         """The native path of the dense products at ``tokens`` tokens, in the precision they run in (int8
         dense matrices always take a native path: the fused step and :func:`kernels.linear_int8` read them)."""
         if self.dense_precision == "int8":
-            return kernels.native_path("int8", tokens)
+            return kernels.int8_path(tokens, grouped=self.lm_head_int8[1].dim() == 2)
         return kernels.path(precision_of(self.weight_dtype), tokens)
 
     def _fused_decode(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

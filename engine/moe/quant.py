@@ -280,6 +280,20 @@ def _quantize_int8_torch(wf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
+def quantize_int8_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 with one fp32 scale per ``group`` consecutive weights of a row (as llama.cpp's q8_0 keeps one per
+    32): q int8 [N, K] and the scales [N, K / group] (``s = max(amax, 1e-12) / 127``, ``q = round(w / s)``),
+    the layout the native kernels' int8 products read beside row scales."""
+    n, k = w.shape
+    if group <= 0 or k % group:
+        raise ValueError(f"int8 group of {group} does not divide the inner size {k}")
+    wf = w.detach().float().reshape(n, k // group, group)
+    s = wf.abs().amax(dim=2).clamp_min(1e-12) / 127  # [N, K / group]
+    q = torch.round(wf / s[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), s.contiguous()
+
+
+@torch.no_grad()
 def dequantize(qw: QWeight) -> torch.Tensor:
     """The float32 ``[out, in]`` weight that :func:`qlinear` multiplies by (exactly, up to fp32 rounding)."""
     n, k = qw.shape

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.config import ConfigError, EngineConfig
+from engine.model.arch import DENSE_INT8_GROUP
 from engine.runtime import Engine
 
 
@@ -222,6 +223,11 @@ def test_bad_inputs_are_refused_with_the_reason():
         _ops().linear(x, torch.randn(4, 16).bfloat16(), torch.randn(3))
     with pytest.raises(TypeError, match="activations with"):
         kernels.linear(x.bfloat16(), torch.randn(4, 16).half())
+    # int8 group scales: fp32 [N, K / group], the group a multiple of 32 dividing K
+    q, x64 = torch.zeros(4, 64, dtype=torch.int8), torch.randn(1, 64)
+    for bad in (torch.rand(4, 2).bfloat16(), torch.rand(4, 4), torch.rand(3, 2), torch.rand(4, 3)):
+        with pytest.raises(RuntimeError, match="int8 group scales must be contiguous fp32"):
+            _ops().linear_q(x64, q, bad, 0, 0, "scalar:q8", None)
 
 
 def test_stacked_moe_refuses_missing_or_misshapen_scales():
@@ -428,7 +434,7 @@ def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overri
 
 def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(make_ckpt):
     """runtime.dense_precision=int8: attention, the dense and shared MLPs and the lm head run on int8 copies
-    (one scale per row) on the native kernels; the roofline counts their bytes; switching back and forth
+    (a scale per 32 weights of a row) on the native kernels; the roofline counts their bytes; switching back and forth
     reuses the copies; where the kernels do not run, a one-line error naming the knob, the engine unchanged."""
     from engine.quality import prompt_logits
     from engine.roofline import model_bytes
@@ -442,10 +448,14 @@ def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(ma
     assert model.dense_precision == "int8" and model.lm_head_int8[0].dtype == torch.int8
     lw0, lw1 = model.layers[0], model.layers[1]
     assert set(lw0.int8) == {"wqkv", "wo", "mlp_w13", "mlp_w2"} and {"shared_w13", "shared_w2"} <= set(lw1.int8)
-    # The int8 copies dequantize to within half a step of their row's scale of the bf16 weights.
+    # The int8 copies dequantize to within half a step of their group's scale of the bf16 weights.
     q, sc = lw1.int8["wqkv"]
-    err = (q.float() * sc.float()[:, None] - lw1.wqkv.float()).abs()
-    assert bool((err <= sc.float()[:, None] * 0.51 + 1e-6).all())
+    n, k = q.shape
+    assert sc.dtype == torch.float32 and sc.shape == (n, k // DENSE_INT8_GROUP)
+    step = sc.repeat_interleave(DENSE_INT8_GROUP, dim=1)
+    err = (q.float() * step - lw1.wqkv.float()).abs()
+    assert bool((err <= step * 0.51 + 1e-6).all())
+    assert kernels.int8_path(1, grouped=True).endswith(":q8")  # the mode that applies group scales per block
     int8_bytes = model_bytes(engine)["dense_bytes"]
     assert 0.45 < int8_bytes / bf16_bytes < 0.7  # int8 matrices plus their scales; norms and routers as loaded
     out = engine.generate([PROMPTS[0], PROMPTS[1]], 6)
@@ -720,6 +730,14 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
         q = torch.randint(-127, 128, (rows, inner), dtype=torch.int8, generator=g)
         s = torch.rand(rows, generator=g)  # fp32 row scales are accepted too
         _close(op.linear_q(x, q, s, 0, 0, f"{variant}:q8", None), _q8_dequant(x) @ (q.float() * s[:, None]).t())
+        # a scale per group of a row (runtime.dense_precision=int8): powers of two take the q8 mode's scales per
+        # block, others (96) and the f32 mode go group by group
+        for group in (32, 64, 96, 128):
+            if inner % group == 0:
+                sg = torch.rand(rows, inner // group, generator=g)
+                w = (q.float().view(rows, -1, group) * sg[..., None]).view(rows, inner)
+                _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:q8", None), _q8_dequant(x) @ w.t())
+                _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:f32", None), x @ w.t())
         for group in (32, 64, 128):
             if inner % group == 0:
                 data, sz, vals = _int4(rows, inner, group, g)
