@@ -29,7 +29,8 @@
 //           read straight from their rows (no repacking), the tokens the B tiles, packed in pairs per call
 //
 // Weight formats (row-major, what the engine stores at load time; nothing is widened per step):
-//   bf16 / fp16 [N, K]; int8 [N, K] with one bf16 or fp32 scale per row (w = q * s);
+//   bf16 / fp16 [N, K]; int8 [N, K] with one bf16 or fp32 scale per row (w = q * s), or fp32 scales
+//   [N, K/g], one per group of g values of a row (g a multiple of 32: runtime.dense_precision=int8);
 //   int4 [N_pad, K/2] bytes, each row in chunks of 64 values in 32 bytes (value j in the low nibble,
 //   j+32 in the high one), then, where K is 32 mod 64, a chunk of 32 values in 16 bytes (j low, j+16
 //   high), with bf16 (scale, zero) [K/G, N_pad, 2] per group of G input channels:
@@ -38,7 +39,7 @@
 // Ops (namespace moetune):
 //   linear(x[T,K] f32, w[N,K] bf16|f16|f32, bias[N] f32?) -> [T,N] f32 (the default variant, f32 mode)
 //   linear_q(x, w, scales?, group, n_out, path, bias?) -> [T,n_out] f32: any weight format, any path
-//   linear_int8(x[T,K] f32, q[N,K] int8, scales[N]) -> [T,N] f32 (f32 mode)
+//   linear_int8(x[T,K] f32, q[N,K] int8, scales[N] or [N,K/g]) -> [T,N] f32 (the default variant's f32 mode)
 //   moe(h[T,H] f32, w13[E,2I,H], w2[E,H,I], ids[T,k] i64 (-1 = skipped), gates[T,k] f32, path, s13?, s2?, group)
 //     -> [T,H] f32: stacked experts in any weight format (int8/int4 with their stacked scales)
 //   moe_list / moe_list_int8: moe with the experts as lists of per-expert tensors (None where unrouted)
