@@ -99,10 +99,15 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
         kv_read = context_tokens + tokens
     flop_attention = 4.0 * spec.q_size * positions * spec.n_layers
     kv_bytes = mb["kv_bytes_per_token"] * kv_read
-    weight_prec = "int8" if engine.model.dense_precision == "int8" else _PRECISION.get(engine.model.weight_dtype, "fp32")
+    if engine.model.dense_precision == "int8":  # the path the decoder runs its int8 copies on (q8 where grouped)
+        from engine import kernels
+
+        dense_path = f"int8/{kernels.int8_path(max(1, tokens), engine.model.int8_grouped)}"
+    else:
+        dense_path = _path(engine, _PRECISION.get(engine.model.weight_dtype, "fp32"), tokens)
     per_expert = tokens * spec.top_k / max(1e-9, experts_touched)
     return StepCost(tokens, weight_bytes, kv_bytes, flop_dense, flop_experts, flop_attention,
-                    _path(engine, weight_prec, tokens), _path(engine, mb["expert_precision"], per_expert))
+                    dense_path, _path(engine, mb["expert_precision"], per_expert))
 
 
 def peak_gflops(path: str) -> float | None:

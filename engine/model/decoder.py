@@ -201,6 +201,7 @@ class MoEDecoder:
         # runtime.dense_precision: "as_loaded", or "int8" (LayerWeights.int8 and lm_head_int8 run the products)
         self.dense_precision = "as_loaded"
         self.lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8_grouped = False  # some int8 dense copy has group scales (DENSE_INT8_GROUP)
         self.routes: list[RouteRecord] = []
         spec = self.spec
         self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
@@ -311,6 +312,9 @@ class MoEDecoder:
             for lw in self.layers:
                 lw.int8 = {name: q8(getattr(lw, name)) for name in INT8_DENSE if getattr(lw, name) is not None}
             self.lm_head_int8 = q8(self.lm_head)
+            # any copy with group scales: the dense products take the q8 mode, which applies them per block
+            self.int8_grouped = any(sc.dim() == 2 for lw in self.layers for _, sc in lw.int8.values()) \
+                or self.lm_head_int8[1].dim() == 2
         if precision != self.dense_precision:
             self._stack = None  # the fused step holds the matrices it runs: rebuilt on next use
         self.dense_precision = precision
@@ -438,7 +442,7 @@ class MoEDecoder:
         """The native path of the dense products at ``tokens`` tokens, in the precision they run in (int8
         dense matrices always take a native path: the fused step and :func:`kernels.linear_int8` read them)."""
         if self.dense_precision == "int8":
-            return kernels.int8_path(tokens, grouped=self.lm_head_int8[1].dim() == 2)
+            return kernels.int8_path(tokens, grouped=self.int8_grouped)
         return kernels.path(precision_of(self.weight_dtype), tokens)
 
     def _fused_decode(self, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -455,7 +455,11 @@ def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(ma
     step = sc.repeat_interleave(DENSE_INT8_GROUP, dim=1)
     err = (q.float() * step - lw1.wqkv.float()).abs()
     assert bool((err <= step * 0.51 + 1e-6).all())
-    assert kernels.int8_path(1, grouped=True).endswith(":q8")  # the mode that applies group scales per block
+    # the mode that applies group scales per block runs them, and results record it
+    from engine.roofline import step_cost
+
+    assert model.int8_grouped and kernels.int8_path(1, grouped=True).endswith(":q8")
+    assert step_cost(engine, 1, 1.0, 8.0).dense_path == f"int8/{kernels.int8_path(1, grouped=True)}"
     int8_bytes = model_bytes(engine)["dense_bytes"]
     assert 0.45 < int8_bytes / bf16_bytes < 0.7  # int8 matrices plus their scales; norms and routers as loaded
     out = engine.generate([PROMPTS[0], PROMPTS[1]], 6)
