@@ -51,6 +51,7 @@
 //     into the engine's formats, bit for bit as engine/moe/quant.py's PyTorch reference, in one pass
 //   isa() -> the default variant; variants() -> (compiled, runnable here); set_isa(name | "auto");
 //   cpu_features() -> what CPUID/XGETBV report (avx2, avx512_bf16, amx_tile, ...)
+//   stream_read(buf f32) -> the sum of buf, read as the one-token products read weights (kStreams a thread)
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
 // calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
@@ -111,6 +112,11 @@
 #define MT_AMX 6
 
 namespace mt {
+
+// The one-token products read each thread's rows as kStreams streams far apart (see in_streams), each
+// prefetched kStreamAhead bytes ahead; stream_read reads memory the same way, for the rooflines' bandwidth.
+constexpr int kStreams = 4;
+constexpr int64_t kStreamAhead = 1024;
 
 inline float bf16_to_f(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -1532,6 +1538,39 @@ std::vector<std::string> cpu_features() {
   return out;
 }
 
+// The sum of buf (fp32, contiguous), each thread reading its share as kStreams streams far apart, as the
+// one-token products read their weights: what the rooflines' read bandwidth is measured with (beside
+// PyTorch's sum, one stream a thread).
+double stream_read(const at::Tensor& buf) {
+  TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kFloat && buf.is_contiguous(),
+              "moetune::stream_read: a contiguous fp32 CPU tensor expected");
+  constexpr int64_t kBlock = 64;  // floats a stream reads per step: 4 lines
+  const float* p = buf.data_ptr<float>();
+  const int64_t n = buf.numel();
+  const int nt = at::get_num_threads();
+  std::vector<double> part(nt, 0.0);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t b0 = n * t / threads, b1 = n * (t + 1) / threads, h = (b1 - b0) / kStreams / kBlock * kBlock;
+    float acc[kStreams][kBlock] = {};
+    for (int64_t i = 0; i < h; i += kBlock)
+      for (int s = 0; s < kStreams; ++s) {
+        const float* q = p + b0 + s * h + i;
+#pragma omp simd
+        for (int64_t j = 0; j < kBlock; ++j) acc[s][j] += q[j];
+      }
+    double sum = 0.0;
+    for (int s = 0; s < kStreams; ++s)
+      for (int64_t j = 0; j < kBlock; ++j) sum += acc[s][j];
+    for (int64_t i = b0 + kStreams * h; i < b1; ++i) sum += p[i];
+    part[t] = sum;
+  }
+  double total = 0.0;
+  for (double v : part) total += v;
+  return total;
+}
+
 }  // namespace mt
 
 TORCH_LIBRARY(moetune, m) {
@@ -1557,6 +1596,7 @@ TORCH_LIBRARY(moetune, m) {
   m.def("route(Tensor logits, int k, bool renorm) -> (Tensor, Tensor)", &route);
   m.def("decode_attention(Tensor q, Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor lens, int window, "
         "float scale, Tensor? k=None, Tensor? v=None) -> Tensor", &decode_attention);
+  m.def("stream_read(Tensor buf) -> float", &stream_read);
   m.def("isa() -> str", &isa);
   m.def("variants() -> (str[], str[])", &variants);
   m.def("set_isa(str name) -> ()", &set_isa);
@@ -1655,41 +1695,65 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
     }
 }
 
-// ---- f32 mode, one token (batch-1 decode, an expert with one token): the rows one after another, so the
-// matrix is read as one sequential stream, with four accumulators along the row (the FMA latency chain of
-// one would bound it) and a prefetch kRowAhead bytes ahead of the stream. Four rows at a time read four
-// streams 1 row apart, which the hardware prefetchers follow worse. Measured on a 2-core AMD EPYC (AVX2),
-// `python scripts/kernel_ops_bench.py --lib OLD --lib NEW`, medians of 5 interleaved runs, GB/s read at one
-// token: 2 threads lm head 22.4 -> 33.1, small-preset MoE layer 16.1 -> 23.5, medium 20.0 -> 28.8; one
-// thread 12.9 -> 19.3, 10.8 -> 14.7, 12.4 -> 16.1.
+// ---- One token (batch-1 decode, an expert with one token): the products are bound by reading the
+// weights, so they are written for the memory's sake.
 //
-// Every weight prefetch goes to L2 (prefetcht1: kPrefetchL2), not L1: a prefetch into L1 holds one of the
-// core's few L1 miss buffers until its line arrives, which caps one core's stream at about (buffers x 64 B)
-// / latency, below what the memory delivers; L2 tracks several times as many misses. The one-row stream
-// prefetches 4 KB ahead (1 KB was enough only while L1 held the prefetches). Medium-preset MoE layer
-// (bf16 weights, 8 of 64 experts a token), AVX512_BF16 EPYC, 2 threads, GB/s at 1 / 4 / 32 tokens,
-// medians of 5 interleaved processes: f32 mode 15.6 / 14.3 / 12.3 -> 26.3 / 23.6 / 17.6, bf16dp 14.6 /
-// 14.9 / 13.5 -> 19.7 / 19.1 / 18.0 (torch's sum of a 512 MiB buffer: 30-40 GB/s).
+// Streams. The rows were first read one after another, one sequential stream a thread (four accumulators
+// along the row): on a 2-core AMD EPYC (AVX2) that took the lm head from 22.4 to 33.1 GB/s over 4-row
+// tiles, whose four streams 1 row apart the hardware prefetchers follow worse. But one stream a core stays
+// below what the memory delivers: the prefetchers keep too few lines of one stream in flight. kStreams
+// streams far apart (each its own run of rows, so its own pages: in_streams) keep several in flight.
+// Measured on a 2-core AMD EPYC (AVX2), a standalone 32000 x 1024 bf16 product, 2 threads, medians of 5:
+// one stream 22.4 GB/s, 4 streams 256 rows apart 31.0 (torch's sum of the same bytes: 26.4); 2 streams
+// 1.2x one, 8 no better than 4; rows adjacent in memory as 4 streams 16.6 (the prefetchers see one
+// irregular stream). Reading the down rows of 4 experts side by side (each expert's rows one stream) in
+// the MoE's second phase, rather than 4 streams within each expert's rows, measured no faster (MoE medium
+// 30.5 -> 31.1 GB/s, inside the noise) and was left out.
+// `scripts/kernel_ops_bench.py`, one stream -> 4 streams, medians of 5, bf16: projection 18.4 -> 22.3,
+// MoE small 20.6 -> 26.5, medium 21.2 -> 28.0 GB/s; int8 q8 (7): MoE medium 19.3 -> 23.6.
+//
+// Prefetches. Every weight prefetch goes to L2 (prefetcht1: kPrefetchL2), not L1: a prefetch into L1
+// holds one of the core's few L1 miss buffers until its line arrives, which caps one core's stream at
+// about (buffers x 64 B) / latency; L2 tracks several times as many misses. Medium-preset MoE layer (bf16
+// weights, 8 of 64 experts a token), AVX512_BF16 EPYC, 2 threads, GB/s at 1 / 4 / 32 tokens, medians of
+// 5 interleaved processes, L1 -> L2: f32 mode 15.6 / 14.3 / 12.3 -> 26.3 / 23.6 / 17.6, bf16dp 14.6 /
+// 14.9 / 13.5 -> 19.7 / 19.1 / 18.0. One stream needed 4 KB ahead (kRowAhead: bf16dp's one-row
+// product); several streams are as fast at 1 KB (kStreamAhead).
 constexpr int64_t kRowAhead = 4096;
-template <typename WT>
-inline float dot_row_f32(const typename WT::elem* w, const float* x, int64_t K) {
+
+// s[i] = dot(w[i][0:K], x[0:K]) for S rows read side by side, two accumulators a row.
+template <typename WT, int S>
+inline void dot_rows_f32(const typename WT::elem* const* w, const float* x, int64_t K, float* s) {
   using E = typename WT::elem;
-  constexpr int64_t kStep = 4 * kLanes;
   constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(E));
-  vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  constexpr int64_t kStep = kLineElems > kLanes ? kLineElems : kLanes;
+  vec a[S][2];
+  for (int i = 0; i < S; ++i) a[i][0] = a[i][1] = vzero();
+  auto lanes = [&](int64_t k, int j) {
+    const vec xv = vload(x + k);
+    for (int i = 0; i < S; ++i) a[i][j] = vfma(wload(w[i] + k, WT{}), xv, a[i][j]);
+  };
   int64_t k = 0;
   for (; k + kStep <= K; k += kStep) {
-    for (int64_t b = 0; b < kStep; b += kLineElems)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k + b) + kRowAhead, 0, kPrefetchL2);
-    a0 = vfma(wload(w + k, WT{}), vload(x + k), a0);
-    a1 = vfma(wload(w + k + kLanes, WT{}), vload(x + k + kLanes), a1);
-    a2 = vfma(wload(w + k + 2 * kLanes, WT{}), vload(x + k + 2 * kLanes), a2);
-    a3 = vfma(wload(w + k + 3 * kLanes, WT{}), vload(x + k + 3 * kLanes), a3);
+    for (int i = 0; i < S; ++i)
+      __builtin_prefetch(reinterpret_cast<const char*>(w[i] + k) + kStreamAhead, 0, kPrefetchL2);
+    for (int64_t b = 0; b < kStep; b += kLanes) lanes(k + b, static_cast<int>(b / kLanes) & 1);
   }
-  for (; k + kLanes <= K; k += kLanes) a0 = vfma(wload(w + k, WT{}), vload(x + k), a0);
-  float s = vsum(a0) + vsum(a1) + vsum(a2) + vsum(a3);
-  for (; k < K; ++k) s += widen(w[k], WT{}) * x[k];
-  return s;
+  for (; k + kLanes <= K; k += kLanes) lanes(k, 0);
+  for (int i = 0; i < S; ++i) {
+    float v = vsum(a[i][0]) + vsum(a[i][1]);
+    for (int64_t j = k; j < K; ++j) v += widen(w[i][j], WT{}) * x[j];
+    s[i] = v;
+  }
+}
+
+// Rows [r0, r1) of a one-token product as kStreams streams: many(r, h) computes rows r, r + h, ...,
+// r + (kStreams - 1) h; one(r) the rows left over.
+template <typename Many, typename One>
+inline void in_streams(int64_t r0, int64_t r1, const Many& many, const One& one) {
+  const int64_t h = (r1 - r0) / kStreams;
+  for (int64_t i = 0; i < h; ++i) many(r0 + i, h);
+  for (int64_t r = r0 + kStreams * h; r < r1; ++r) one(r);
 }
 
 // ---- q8 mode: integer dot products per block of 32, scaled per block and accumulated in fp32.
@@ -1807,27 +1871,105 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t l
     for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]);
 }
 
-// One row of int8 weights x one token's q8 activations, read as one stream (as dot_row_f32 reads its
-// rows): four accumulators along the row, a prefetch kRowAhead bytes ahead. K % V::kValues == 0.
-// GR: a scale per group of 2^gshift values (gs), as dots_i8q8.
-template <class V, bool GR = false>
-inline float dot_row_i8q8(const int8_t* w, const Act& x, int64_t K, const float* gs = nullptr, int gshift = 0) {
-  typename V::F a[4] = {V::fzero(), V::fzero(), V::fzero(), V::fzero()};
-  auto step = [&](typename V::F& acc, int64_t k) {
-    const typename V::I wv = V::iload(w + k);
-    typename V::F d = V::fload(x.d + k / 4);
-    if constexpr (GR) d = V::fmul(d, V::fset(gs[k >> gshift]));
-    acc = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(V::iload(x.q + k), wv))), d, acc);
+// S rows of int8 weights x one token's q8 activations, read side by side as dot_rows_f32 reads its rows,
+// two accumulators a row. K % V::kValues == 0. GR: a scale per group of 2^gshift values (gs[i] for row
+// i), as dots_i8q8.
+template <class V, int S, bool GR>
+inline void dot_rows_i8q8(const int8_t* const* w, const Act& x, int64_t K, const float* const* gs, int gshift,
+                          float* s) {
+  using F = typename V::F;
+  constexpr int64_t kStep = V::kValues > 64 ? V::kValues : 64;  // a 64-byte line of each row
+  F a[S][2];
+  for (int i = 0; i < S; ++i) a[i][0] = a[i][1] = V::fzero();
+  auto block = [&](int64_t k, int j) {
+    const typename V::I xq = V::iload(x.q + k);
+    const F d = V::fload(x.d + k / 4);
+    for (int i = 0; i < S; ++i) {
+      const typename V::I wv = V::iload(w[i] + k);
+      F di = d;
+      if constexpr (GR) di = V::fmul(d, V::fset(gs[i][k >> gshift]));
+      a[i][j] = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(xq, wv))), di, a[i][j]);
+    }
   };
   int64_t k = 0;
-  for (; k + 4 * V::kValues <= K; k += 4 * V::kValues) {
-    for (int64_t b = 0; b < 4 * V::kValues; b += 64) __builtin_prefetch(w + k + b + kRowAhead, 0, kPrefetchL2);
-    for (int i = 0; i < 4; ++i) step(a[i], k + i * V::kValues);
+  for (; k + kStep <= K; k += kStep) {
+    for (int i = 0; i < S; ++i) __builtin_prefetch(w[i] + k + kStreamAhead, 0, kPrefetchL2);
+    for (int64_t b = 0; b < kStep; b += V::kValues) block(k + b, static_cast<int>(b / V::kValues) & 1);
   }
-  for (; k < K; k += V::kValues) step(a[0], k);
-  return V::fsum(V::fadd(V::fadd(a[0], a[1]), V::fadd(a[2], a[3])));
+  for (; k < K; k += V::kValues) block(k, 0);
+  for (int i = 0; i < S; ++i) s[i] = V::fsum(V::fadd(a[i][0], a[i][1]));
 }
 
+// dots_i8q8 / dot_rows_i8q8 on the widest vector the variant has that K (and, with GR, the group of
+// 2^gshift values) divides into blocks of.
+inline bool i8q8_wide(int64_t K, bool grouped, int gshift) {
+#if MT_ISA >= MT_AVX512
+  return K % V512::kValues == 0 && (!grouped || (int64_t{1} << gshift) % V512::kValues == 0);
+#else
+  (void)K, (void)grouped, (void)gshift;
+  return false;
+#endif
+}
+
+template <int NR, int NT, bool GR = false>
+inline void i8q8_dots(const int8_t* const* w, const Act* x, int64_t K, int64_t ld, float* s,
+                      const float* const* gs = nullptr, int gshift = 0) {
+#if MT_ISA >= MT_AVX512
+  if (i8q8_wide(K, GR, gshift)) return dots_i8q8<V512, NR, NT, GR>(w, x, K, ld, s, gs, gshift);
+#endif
+  dots_i8q8<V256, NR, NT, GR>(w, x, K, ld, s, gs, gshift);
+}
+
+template <int S, bool GR>
+inline void i8q8_rows(const int8_t* const* w, const Act& x, int64_t K, const float* const* gs, int gshift, float* s) {
+#if MT_ISA >= MT_AVX512
+  if (i8q8_wide(K, GR, gshift)) return dot_rows_i8q8<V512, S, GR>(w, x, K, gs, gshift, s);
+#endif
+  dot_rows_i8q8<V256, S, GR>(w, x, K, gs, gshift, s);
+}
+#endif
+
+// Whether the one-token products of matrix m read it as streams (stream_rows): the f32 mode's formats
+// (int8 with row scales), and the q8 mode's int8 with row scales or power-of-two group scales.
+template <Kind KD>
+inline bool streams_apply(const Mat& m) {
+  if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32) return true;
+  if constexpr (KD == Kind::I8F32) return m.sg == 0;
+#if MT_ISA >= MT_AVX2
+  if constexpr (KD == Kind::I8Q8) return m.sg == 0 || group_shift(m) >= 0;
+#endif
+  return false;
+}
+
+// One token's products of S rows of m side by side, where streams_apply: v[i] = row rs[i] of m times the
+// activations x, scaled by row or group as m says.
+template <Kind KD, int S>
+inline void stream_rows(const Mat& m, const int64_t* rs, const Act& x, int64_t K, float* v) {
+  if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32 || KD == Kind::I8F32) {
+    using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;
+    using E = typename WT::elem;
+    const E* w[S];
+    for (int i = 0; i < S; ++i) w[i] = static_cast<const E*>(m.w) + rs[i] * m.ld;
+    dot_rows_f32<WT, S>(w, x.x, K, v);
+    if constexpr (KD == Kind::I8F32)
+      for (int i = 0; i < S; ++i) v[i] *= row_scale(m, rs[i]);
+  }
+#if MT_ISA >= MT_AVX2
+  if constexpr (KD == Kind::I8Q8) {
+    const int8_t* w[S];
+    const float* gs[S];
+    for (int i = 0; i < S; ++i) {
+      w[i] = static_cast<const int8_t*>(m.w) + rs[i] * m.ld;
+      gs[i] = m.sg ? group_scales(m, rs[i]) : nullptr;
+    }
+    if (m.sg) return i8q8_rows<S, true>(w, x, K, gs, group_shift(m), v);
+    i8q8_rows<S, false>(w, x, K, gs, 0, v);
+    for (int i = 0; i < S; ++i) v[i] *= row_scale(m, rs[i]);
+  }
+#endif
+}
+
+#if MT_ISA >= MT_AVX2
 // int4 weights x q8 activations. Rows: chunks of 64 values in 32 bytes (j low nibble, j + 32 high),
 // then, where K is 32 mod 64, one chunk of 32 values in 16 bytes (j low, j + 16 high).
 // dot over a group = scale * sum(q x) + (zero - 8 scale) * sum(x): the first from integer products
@@ -1971,7 +2113,7 @@ inline void dots_i4q8_scalar(const uint8_t* const* w, const uint16_t* const* sc,
 #endif
 
 #if MT_ISA >= MT_AVX512BF16
-// One token in bf16dp mode: the row as one stream, as dot_row_f32 reads it (four accumulators along the row,
+// One token in bf16dp mode: the row as one stream, as the f32 mode once read it (four accumulators along the row,
 // prefetched kRowAhead ahead into L2); the same products as dots_bf16dp, summed in another order. K % 32 == 0.
 inline float dot_row_bf16dp(const uint16_t* w, const uint16_t* x, int64_t K) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
@@ -2069,13 +2211,7 @@ inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t 
           w[i] = static_cast<const int8_t*>(m.w) + (r + i) * m.ld;
           gs[i] = group_scales(m, r + i);
         }
-#if MT_ISA >= MT_AVX512
-        if (K % V512::kValues == 0 && m.sg % V512::kValues == 0) {
-          dots_i8q8<V512, NR, NT, true>(w, x, K, m.ld, s, gs, shift);
-          return;
-        }
-#endif
-        dots_i8q8<V256, NR, NT, true>(w, x, K, m.ld, s, gs, shift);
+        i8q8_dots<NR, NT, true>(w, x, K, m.ld, s, gs, shift);
         return;
       }
 #endif
@@ -2095,11 +2231,8 @@ inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t 
   } else if constexpr (KD == Kind::I8Q8) {
     const int8_t* w[NR];
     for (int i = 0; i < NR; ++i) w[i] = static_cast<const int8_t*>(m.w) + (r + i) * m.ld;
-#if MT_ISA >= MT_AVX512
-    if (K % V512::kValues == 0) dots_i8q8<V512, NR, NT>(w, x, K, m.ld, s);
-    else dots_i8q8<V256, NR, NT>(w, x, K, m.ld, s);
-#elif MT_ISA >= MT_AVX2
-    dots_i8q8<V256, NR, NT>(w, x, K, m.ld, s);
+#if MT_ISA >= MT_AVX2
+    i8q8_dots<NR, NT>(w, x, K, m.ld, s);
 #else
     dots_i8q8_scalar<NR, NT>(w, x, K, s);
 #endif
@@ -2155,78 +2288,20 @@ inline void row_block(const Mat& m, int64_t r, const Act* x, int64_t t0, int64_t
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
                        Sink& sink) {
-  if constexpr (KD == Kind::I8F32 || KD == Kind::I8Q8) {
-#if MT_ISA >= MT_AVX2
-    if (KD == Kind::I8Q8 && n_tok == 1 && m.sg && group_shift(m) >= 0) {  // one stream a row, scales per block
-      const int shift = group_shift(m);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
-#if MT_ISA >= MT_AVX512
-        const float v = K % V512::kValues == 0 && m.sg % V512::kValues == 0
-                            ? dot_row_i8q8<V512, true>(w, x[0], K, group_scales(m, r), shift)
-                            : dot_row_i8q8<V256, true>(w, x[0], K, group_scales(m, r), shift);
-#else
-        const float v = dot_row_i8q8<V256, true>(w, x[0], K, group_scales(m, r), shift);
-#endif
-        sink(r, 0, v);
-      }
-      return;
-    }
-#endif
-    if (n_tok == 1 && m.sg) {  // int8 group scales, one token: each row's groups in turn
-      for (int64_t r = r0; r < r1; ++r) {
-        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
-        float v = 0.f;
-        for (int64_t g = 0, k = 0; k < K; ++g, k += m.sg) {
-          float d = 0.f;
-          if constexpr (KD == Kind::I8F32) {
-            d = dot_row_f32<I8T>(w + k, x[0].x + k, m.sg);
-          } else {
-            const Act xs = act_slice(x[0], k);
-#if MT_ISA >= MT_AVX512
-            d = m.sg % V512::kValues == 0 ? dot_row_i8q8<V512>(w + k, xs, m.sg) : dot_row_i8q8<V256>(w + k, xs, m.sg);
-#elif MT_ISA >= MT_AVX2
-            d = dot_row_i8q8<V256>(w + k, xs, m.sg);
-#else
-            const int8_t* wr[1] = {w + k};
-            dots_i8q8_scalar<1, 1>(wr, &xs, m.sg, &d);
-#endif
-          }
-          v += d * group_scale(m, r, g);
-        }
-        sink(r, 0, v);
-      }
-      return;
-    }
+  if (n_tok == 1 && streams_apply<KD>(m)) {  // (int8 group scales of other sizes take the tiles, group by group)
+    in_streams(r0, r1, [&](int64_t r, int64_t h) {
+      int64_t rs[kStreams];
+      float v[kStreams];
+      for (int i = 0; i < kStreams; ++i) rs[i] = r + i * h;
+      stream_rows<KD, kStreams>(m, rs, x[0], K, v);
+      for (int i = 0; i < kStreams; ++i) sink(rs[i], 0, v[i]);
+    }, [&](int64_t r) {
+      float v;
+      stream_rows<KD, 1>(m, &r, x[0], K, &v);
+      sink(r, 0, v);
+    });
+    return;
   }
-  if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32 || KD == Kind::I8F32) {
-    if (n_tok == 1) {
-      using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;
-      using E = typename WT::elem;
-      for (int64_t r = r0; r < r1; ++r) {
-        float v = dot_row_f32<WT>(static_cast<const E*>(m.w) + r * m.ld, x[0].x, K);
-        if constexpr (KD == Kind::I8F32) v *= row_scale(m, r);
-        sink(r, 0, v);
-      }
-      return;
-    }
-  }
-#if MT_ISA >= MT_AVX2
-  if constexpr (KD == Kind::I8Q8) {
-    if (n_tok == 1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int8_t* w = static_cast<const int8_t*>(m.w) + r * m.ld;
-#if MT_ISA >= MT_AVX512
-        const float v = K % V512::kValues == 0 ? dot_row_i8q8<V512>(w, x[0], K) : dot_row_i8q8<V256>(w, x[0], K);
-#else
-        const float v = dot_row_i8q8<V256>(w, x[0], K);
-#endif
-        sink(r, 0, v * row_scale(m, r));
-      }
-      return;
-    }
-  }
-#endif
 #if MT_ISA >= MT_AVX512BF16
   if constexpr (KD == Kind::Bf16Dp) {
     if (n_tok == 1) {
@@ -2258,7 +2333,8 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
 template <Kind KD>
 void linear_kind(const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, int64_t T, const float* bias, float* y) {
   auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
-  parallel_chunks(N, 64, [&](int64_t r0, int64_t r1) { rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink); });
+  const int64_t chunk = T == 1 ? std::clamp<int64_t>(N / (4 * at::get_num_threads()), 64, 256) : 64;
+  parallel_chunks(N, chunk, [&](int64_t r0, int64_t r1) { rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink); });
 }
 
 // The routed experts of T tokens (routes grouped by expert):

@@ -211,6 +211,17 @@ def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
         _ops().moe_list(h, some, some2, torch.tensor([[1, 0], [2, 0]]), gates)
 
 
+@pytest.mark.parametrize("n", [1, 255, 256 * 64 + 3, 1_000_003])
+def test_stream_read_sums_every_value_once(n):
+    # the rooflines' bandwidth read: each thread's share as 4 streams, and what is left over
+    buf = torch.arange(n, dtype=torch.float32) % 7
+    assert _ops().stream_read(buf) == pytest.approx(float(buf.double().sum()), rel=1e-6)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        _ops().stream_read(buf.double())
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        _ops().stream_read(torch.ones(8, 8)[:, 0])
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     x = torch.randn(2, 16)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
@@ -680,8 +691,11 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
 
 # ---------------------------------------------------------------------------------------- ISA variants
 X86 = platform.machine() in ("x86_64", "AMD64")
-F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7)]  # [rows, inner]: tails of rows, lanes and tiles
-Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160)]  # q8/int4 read blocks of 32; 160: a 128-step loop and its tail
+# [rows, inner]: tails of rows, lanes and tiles; at one token the rows of a chunk are read as 4 streams,
+# and 1001 rows make several chunks, each with rows left over
+F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7), (1001, 64)]
+# q8/int4 read blocks of 32; 160: a 128-step loop and its tail
+Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160), (1001, 96)]
 TOKENS = [1, 2, 3, 5, 9, 70]  # around the 2-4 token register tiles, and past the 64-token block
 
 
@@ -757,11 +771,11 @@ MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp1
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
-@pytest.mark.parametrize("tokens", [23, 2])
+@pytest.mark.parametrize("tokens", [23, 2, 1])
 def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
-    """Many experts, some unrouted (None), a skipped slot, uneven tokens per expert. At 2 tokens no expert
-    sees more than 2: the work is split in long runs of rows (moe_spans), and one token a row takes the
-    one-row products."""
+    """Many experts, some unrouted (None), a skipped slot, uneven tokens per expert. At 1 and 2 tokens no
+    expert sees more than 2: the work is split in long runs of rows (moe_spans), and an expert with one
+    token reads its rows as several streams."""
     if _refused(variant):
         return
     from engine.moe import quant
