@@ -1669,7 +1669,7 @@ inline vec wload(const typename WT::elem* p, WT t) { return widen(*p, t); }
 
 // ---- f32 mode: s[r * NT + t] = dot(w[r][0:K], x[t].x[0:K]) for NR weight rows and NT tokens.
 template <typename WT, int NR, int NT>
-inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K, int64_t ld, float* s) {
+inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K, int64_t ahead, float* s) {
   vec acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
@@ -1678,7 +1678,7 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
     // One prefetch per 64-byte line: the same line of the next tile's rows, so each row's stream is
     // in flight a tile ahead. Measured on a 2-core Ice Lake: 15-17 -> 19-24 GB/s.
     if ((k & 31) == 0)
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + NR * ld, 0, kPrefetchL2);
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + ahead, 0, kPrefetchL2);
     vec xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = vload(x[t].x + k);
     for (int r = 0; r < NR; ++r) {
@@ -1845,14 +1845,14 @@ struct V512 {  // two q8 blocks per integer vector
 // GR: the weights have a scale per group of 2^gshift values (gs[r]: row r's), applied per block (the
 // groups are multiples of the block); else the caller applies the row scales.
 template <class V, int NR, int NT, bool GR = false>
-inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t ld, float* s,
+inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t ahead, float* s,
                       const float* const* gs = nullptr, int gshift = 0) {
   typename V::F acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = V::fzero();
   for (int64_t k = 0; k < K; k += V::kValues) {
     if ((k & 63) == 0)
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + NR * ld, 0, kPrefetchL2);
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + ahead, 0, kPrefetchL2);
     typename V::I xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = V::iload(x[t].q + k);
     for (int r = 0; r < NR; ++r) {
@@ -1912,12 +1912,12 @@ inline bool i8q8_wide(int64_t K, bool grouped, int gshift) {
 }
 
 template <int NR, int NT, bool GR = false>
-inline void i8q8_dots(const int8_t* const* w, const Act* x, int64_t K, int64_t ld, float* s,
+inline void i8q8_dots(const int8_t* const* w, const Act* x, int64_t K, int64_t ahead, float* s,
                       const float* const* gs = nullptr, int gshift = 0) {
 #if MT_ISA >= MT_AVX512
-  if (i8q8_wide(K, GR, gshift)) return dots_i8q8<V512, NR, NT, GR>(w, x, K, ld, s, gs, gshift);
+  if (i8q8_wide(K, GR, gshift)) return dots_i8q8<V512, NR, NT, GR>(w, x, K, ahead, s, gs, gshift);
 #endif
-  dots_i8q8<V256, NR, NT, GR>(w, x, K, ld, s, gs, gshift);
+  dots_i8q8<V256, NR, NT, GR>(w, x, K, ahead, s, gs, gshift);
 }
 
 template <int S, bool GR>
@@ -1992,7 +1992,7 @@ inline float int4_scale(const uint16_t* sc, int64_t n_pad, int64_t g) { return b
 // 256-bit: any K % 32 == 0 and G % 32 == 0.
 template <int NR, int NT>
 inline void dots_i4q8_256(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K,
-                          int64_t G, int64_t ld, float* s) {
+                          int64_t G, int64_t ahead, float* s) {
   using V = V256;
   __m256 acc[NR][NT];
   float zacc[NR][NT];
@@ -2008,7 +2008,7 @@ inline void dots_i4q8_256(const uint8_t* const* w, const uint16_t* const* sc, in
         sb[r] = G < 64 ? V::fset(int4_scale(sc[r], n_pad, (k + 32) / G)) : sa[r];
       }
     if ((k & 127) == 0)
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + NR * ld, 0, kPrefetchL2);
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + ahead, 0, kPrefetchL2);
     __m256i xa[NT], xb[NT];
     for (int t = 0; t < NT; ++t) {
       xa[t] = V::iload(x[t].q + k);
@@ -2039,7 +2039,7 @@ inline void dots_i4q8_256(const uint8_t* const* w, const uint16_t* const* sc, in
 // 512-bit: K % 64 == 0 and G % 64 == 0 (one 64-value chunk per vector, in one group).
 template <int NR, int NT>
 inline void dots_i4q8_512(const uint8_t* const* w, const uint16_t* const* sc, int64_t n_pad, const Act* x, int64_t K,
-                          int64_t G, int64_t ld, float* s) {
+                          int64_t G, int64_t ahead, float* s) {
   using V = V512;
   __m512 acc[NR][NT];
   float zacc[NR][NT];
@@ -2051,7 +2051,7 @@ inline void dots_i4q8_512(const uint8_t* const* w, const uint16_t* const* sc, in
     if (k % G == 0)
       for (int r = 0; r < NR; ++r) sv[r] = V::fset(int4_scale(sc[r], n_pad, k / G));
     if ((k & 127) == 0)
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + NR * ld, 0, kPrefetchL2);
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k / 2 + ahead, 0, kPrefetchL2);
     __m512i xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = V::iload(x[t].q + k);
     for (int r = 0; r < NR; ++r) {
@@ -2135,13 +2135,13 @@ inline float dot_row_bf16dp(const uint16_t* w, const uint16_t* x, int64_t K) {
 
 // bf16 weights x bf16-rounded activations: vdpbf16ps, 32 products per instruction into 16 fp32 lanes.
 template <int NR, int NT>
-inline void dots_bf16dp(const uint16_t* const* w, const Act* x, int64_t K, int64_t ld, float* s) {
+inline void dots_bf16dp(const uint16_t* const* w, const Act* x, int64_t K, int64_t ahead, float* s) {
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     if ((k & 31) == 0)
-      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + NR * ld, 0, kPrefetchL2);
+      for (int r = 0; r < NR; ++r) __builtin_prefetch(w[r] + k + ahead, 0, kPrefetchL2);
     __m512i xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm512_loadu_si512(x[t].b + k);
     for (int r = 0; r < NR; ++r) {
@@ -2175,12 +2175,12 @@ inline Act act_slice(const Act& a, int64_t off) {
 }
 
 template <Kind KD, int NR, int NT>
-inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t G, float* s);
+inline void tile_dots(const Mat& m, int64_t r, int64_t step, const Act* x, int64_t K, int64_t G, float* s);
 
 // int8 weights with a scale per group of m.sg values: each group's slice as an unscaled product, then
 // scaled and summed.
 template <Kind KD, int NR, int NT>
-inline void tile_dots_grouped(const Mat& m, int64_t r, const Act* x, int64_t K, float* s) {
+inline void tile_dots_grouped(const Mat& m, int64_t r, int64_t step, const Act* x, int64_t K, float* s) {
   for (int i = 0; i < NR * NT; ++i) s[i] = 0.f;
   Mat part = m;
   part.sg = 0;
@@ -2191,15 +2191,17 @@ inline void tile_dots_grouped(const Mat& m, int64_t r, const Act* x, int64_t K, 
   for (int64_t g = 0; g < K / m.sg; ++g) {
     for (int t = 0; t < NT; ++t) xs[t] = act_slice(x[t], g * m.sg);
     part.w = static_cast<const int8_t*>(m.w) + g * m.sg;
-    tile_dots<KD, NR, NT>(part, r, xs, m.sg, 0, d);
+    tile_dots<KD, NR, NT>(part, r, step, xs, m.sg, 0, d);
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < NT; ++j) s[i * NT + j] += d[i * NT + j] * group_scale(m, r + i, g);
+      for (int j = 0; j < NT; ++j) s[i * NT + j] += d[i * NT + j] * group_scale(m, r + i * step, g);
   }
 }
 
-// s[i * NT + j] = dot(row r + i of m, token j), for NR rows and NT tokens.
+// s[i * NT + j] = dot(row r + i step of m, token j), for NR rows and NT tokens: rows next to each other
+// (step 1), each prefetched a tile ahead, or NR streams step rows apart, each prefetched a row ahead.
 template <Kind KD, int NR, int NT>
-inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t G, float* s) {
+inline void tile_dots(const Mat& m, int64_t r, int64_t step, const Act* x, int64_t K, int64_t G, float* s) {
+  const int64_t ahead = step == 1 ? NR * m.ld : m.ld;  // elements of a row (int4: bytes) to prefetch ahead
   if constexpr (KD == Kind::I8F32 || KD == Kind::I8Q8) {
     if (m.sg) {
 #if MT_ISA >= MT_AVX2
@@ -2208,14 +2210,14 @@ inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t 
         const int8_t* w[NR];
         const float* gs[NR];
         for (int i = 0; i < NR; ++i) {
-          w[i] = static_cast<const int8_t*>(m.w) + (r + i) * m.ld;
-          gs[i] = group_scales(m, r + i);
+          w[i] = static_cast<const int8_t*>(m.w) + (r + i * step) * m.ld;
+          gs[i] = group_scales(m, r + i * step);
         }
-        i8q8_dots<NR, NT, true>(w, x, K, m.ld, s, gs, shift);
+        i8q8_dots<NR, NT, true>(w, x, K, ahead, s, gs, shift);
         return;
       }
 #endif
-      tile_dots_grouped<KD, NR, NT>(m, r, x, K, s);
+      tile_dots_grouped<KD, NR, NT>(m, r, step, x, K, s);
       return;
     }
   }
@@ -2223,62 +2225,63 @@ inline void tile_dots(const Mat& m, int64_t r, const Act* x, int64_t K, int64_t 
     using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;
     using E = typename WT::elem;
     const E* w[NR];
-    for (int i = 0; i < NR; ++i) w[i] = static_cast<const E*>(m.w) + (r + i) * m.ld;
-    dots_f32<WT, NR, NT>(w, x, K, m.ld, s);
+    for (int i = 0; i < NR; ++i) w[i] = static_cast<const E*>(m.w) + (r + i * step) * m.ld;
+    dots_f32<WT, NR, NT>(w, x, K, ahead, s);
     if constexpr (KD == Kind::I8F32)
       for (int i = 0; i < NR; ++i)
-        for (int j = 0; j < NT; ++j) s[i * NT + j] *= row_scale(m, r + i);
+        for (int j = 0; j < NT; ++j) s[i * NT + j] *= row_scale(m, r + i * step);
   } else if constexpr (KD == Kind::I8Q8) {
     const int8_t* w[NR];
-    for (int i = 0; i < NR; ++i) w[i] = static_cast<const int8_t*>(m.w) + (r + i) * m.ld;
+    for (int i = 0; i < NR; ++i) w[i] = static_cast<const int8_t*>(m.w) + (r + i * step) * m.ld;
 #if MT_ISA >= MT_AVX2
-    i8q8_dots<NR, NT>(w, x, K, m.ld, s);
+    i8q8_dots<NR, NT>(w, x, K, ahead, s);
 #else
     dots_i8q8_scalar<NR, NT>(w, x, K, s);
 #endif
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < NT; ++j) s[i * NT + j] *= row_scale(m, r + i);
+      for (int j = 0; j < NT; ++j) s[i * NT + j] *= row_scale(m, r + i * step);
   } else if constexpr (KD == Kind::I4Q8) {
     const uint8_t* w[NR];
     const uint16_t* sc[NR];
     for (int i = 0; i < NR; ++i) {
-      w[i] = static_cast<const uint8_t*>(m.w) + (r + i) * m.ld;
-      sc[i] = m.sc16 + (r + i) * 2;
+      w[i] = static_cast<const uint8_t*>(m.w) + (r + i * step) * m.ld;
+      sc[i] = m.sc16 + (r + i * step) * 2;
     }
 #if MT_ISA >= MT_AVX512
-    if (G % 64 == 0 && K % 64 == 0) dots_i4q8_512<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
-    else dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
+    if (G % 64 == 0 && K % 64 == 0) dots_i4q8_512<NR, NT>(w, sc, m.n_pad, x, K, G, ahead, s);
+    else dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, ahead, s);
 #elif MT_ISA >= MT_AVX2
-    dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, m.ld, s);
+    dots_i4q8_256<NR, NT>(w, sc, m.n_pad, x, K, G, ahead, s);
 #else
     dots_i4q8_scalar<NR, NT>(w, sc, m.n_pad, x, K, G, s);
 #endif
   } else {
 #if MT_ISA == MT_AVX512BF16
     const uint16_t* w[NR];
-    for (int i = 0; i < NR; ++i) w[i] = static_cast<const uint16_t*>(m.w) + (r + i) * m.ld;
-    dots_bf16dp<NR, NT>(w, x, K, m.ld, s);
+    for (int i = 0; i < NR; ++i) w[i] = static_cast<const uint16_t*>(m.w) + (r + i * step) * m.ld;
+    dots_bf16dp<NR, NT>(w, x, K, ahead, s);
 #endif
   }
 }
 
 template <Kind KD, int NR, int NT, typename Sink>
-inline void tile(const Mat& m, int64_t r, const Act* x, int64_t t, int64_t K, int64_t G, Sink& sink) {
+inline void tile(const Mat& m, int64_t r, int64_t step, const Act* x, int64_t t, int64_t K, int64_t G, Sink& sink) {
   float s[NR * NT];
-  tile_dots<KD, NR, NT>(m, r, x + t, K, G, s);
+  tile_dots<KD, NR, NT>(m, r, step, x + t, K, G, s);
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NT; ++j) sink(r + i, t + j, s[i * NT + j]);
+    for (int j = 0; j < NT; ++j) sink(r + i * step, t + j, s[i * NT + j]);
 }
 
 template <Kind KD, int NR, typename Sink>
-inline void row_block(const Mat& m, int64_t r, const Act* x, int64_t t0, int64_t t1, int64_t K, int64_t G, Sink& sink) {
+inline void row_block(const Mat& m, int64_t r, int64_t step, const Act* x, int64_t t0, int64_t t1, int64_t K, int64_t G,
+                      Sink& sink) {
   constexpr int NT = max_tokens<KD>();
   int64_t t = t0;
-  for (; t + NT <= t1; t += NT) tile<KD, NR, NT>(m, r, x, t, K, G, sink);
+  for (; t + NT <= t1; t += NT) tile<KD, NR, NT>(m, r, step, x, t, K, G, sink);
   switch (t1 - t) {
-    case 1: tile<KD, NR, 1>(m, r, x, t, K, G, sink); break;
-    case 2: if constexpr (NT > 2) tile<KD, NR, 2>(m, r, x, t, K, G, sink); break;
-    case 3: if constexpr (NT > 3) tile<KD, NR, 3>(m, r, x, t, K, G, sink); break;
+    case 1: tile<KD, NR, 1>(m, r, step, x, t, K, G, sink); break;
+    case 2: if constexpr (NT > 2) tile<KD, NR, 2>(m, r, step, x, t, K, G, sink); break;
+    case 3: if constexpr (NT > 3) tile<KD, NR, 3>(m, r, step, x, t, K, G, sink); break;
     default: break;
   }
 }
@@ -2311,12 +2314,24 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
     }
   }
 #endif
+  // One tile of tokens: its 4 rows far apart, as 4 streams (in_streams). `kernel_ops_bench.py`, 5 rounds
+  // (3 at 3 tokens), bf16: lm head 19.0 -> 27.3 GB/s at 2 tokens, 19.5 -> 23.2 at 3; projection 16.6 ->
+  // 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the rest unchanged. Not int4: its
+  // products are bound by arithmetic, and far rows measured no faster (MoE medium at 1 token 12.6 -> 11.8).
+  // Nor more tokens: at 4 and 8 tokens (several tiles a row block) far rows were slower (lm head 19.9 ->
+  // 17.5, 12.6 -> 10.2).
+  if (KD != Kind::I4Q8 && n_tok <= max_tokens<KD>()) {
+    static_assert(kStreams == 4, "tiles of 4 rows");
+    in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
+               [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); });
+    return;
+  }
   constexpr int64_t kTokBlock = 64;
   for (int64_t t0 = 0; t0 < n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(n_tok, t0 + kTokBlock);
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) row_block<KD, 4>(m, r, x, t0, t1, K, G, sink);
-    for (; r < r1; ++r) row_block<KD, 1>(m, r, x, t0, t1, K, G, sink);
+    for (; r + 4 <= r1; r += 4) row_block<KD, 4>(m, r, 1, x, t0, t1, K, G, sink);
+    for (; r < r1; ++r) row_block<KD, 1>(m, r, 1, x, t0, t1, K, G, sink);
   }
 }
 
