@@ -4,7 +4,8 @@ Bytes per step count the weights in the precisions the engine runs them in (dens
 weight dtype or int8 with runtime.dense_precision, norms and routers in the compute dtype, each expert the step touches in the precision
 it runs in, with its scales) and the KV cache that decode attention reads (in the KV cache's dtype).
 FLOP per step count the products (2 per multiply-add) and attention. The bandwidth roofline divides
-the bytes by the measured read bandwidth; the compute roofline divides each part's FLOP by the peak
+the bytes by the measured read bandwidth (:func:`engine.calibrate.memory_bandwidth_gbps`: the faster of
+PyTorch's sum and the kernels' several-streams read, so that a product cannot beat it); the compute roofline divides each part's FLOP by the peak
 the machine measured for the product path that part takes (:func:`engine.kernels.dispatch_report`);
 the binding limit is the slower of the two, and "fraction of roofline" is of that one.
 """
