@@ -112,7 +112,7 @@ def compute_dtype_measurement(stored: torch.dtype, hidden: int, inter: int) -> d
 def memory_bandwidth_gbps(fresh: bool = False) -> float:
     """Host DRAM read bandwidth (GB/s) with the current thread count: the faster of two reads of a 512 MiB
     buffer, PyTorch's sum (one stream a thread) and, where the native kernels load, their ``stream_read``
-    (each thread's share as several streams far apart, as the one-token products read their weights,
+    (each thread's share as several streams far apart, as the products of a few tokens read their weights,
     which one stream a core does not reach on every CPU). ``fresh``: measure now (on a shared machine the
     bandwidth drifts; a measuring command's roofline should use the bandwidth of its own run)."""
     from engine import kernels

@@ -51,7 +51,7 @@
 //     into the engine's formats, bit for bit as engine/moe/quant.py's PyTorch reference, in one pass
 //   isa() -> the default variant; variants() -> (compiled, runnable here); set_isa(name | "auto");
 //   cpu_features() -> what CPUID/XGETBV report (avx2, avx512_bf16, amx_tile, ...)
-//   stream_read(buf f32) -> the sum of buf, read as the one-token products read weights (kStreams a thread)
+//   stream_read(buf f32) -> the sum of buf, read as decode products read weights (kStreams a thread)
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
 // calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
@@ -113,10 +113,9 @@
 
 namespace mt {
 
-// The one-token products read each thread's rows as kStreams streams far apart (see in_streams), each
-// prefetched kStreamAhead bytes ahead; stream_read reads memory the same way, for the rooflines' bandwidth.
+// Products of a few tokens read each thread's rows as kStreams streams far apart (see in_streams);
+// stream_read reads memory the same way, for the rooflines' bandwidth.
 constexpr int kStreams = 4;
-constexpr int64_t kStreamAhead = 1024;
 
 inline float bf16_to_f(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -1539,7 +1538,7 @@ std::vector<std::string> cpu_features() {
 }
 
 // The sum of buf (fp32, contiguous), each thread reading its share as kStreams streams far apart, as the
-// one-token products read their weights: what the rooflines' read bandwidth is measured with (beside
+// products of a few tokens read their weights: what the rooflines' read bandwidth is measured with (beside
 // PyTorch's sum, one stream a thread).
 double stream_read(const at::Tensor& buf) {
   TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kFloat && buf.is_contiguous(),
@@ -1695,8 +1694,8 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
     }
 }
 
-// ---- One token (batch-1 decode, an expert with one token): the products are bound by reading the
-// weights, so they are written for the memory's sake.
+// ---- A few tokens (decode, an expert with 1-3 tokens): the products are bound by reading the weights,
+// so they are written for the memory's sake.
 //
 // Streams. The rows were first read one after another, one sequential stream a thread (four accumulators
 // along the row): on a 2-core AMD EPYC (AVX2) that took the lm head from 22.4 to 33.1 GB/s over 4-row
@@ -1706,11 +1705,14 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
 // Measured on a 2-core AMD EPYC (AVX2), a standalone 32000 x 1024 bf16 product, 2 threads, medians of 5:
 // one stream 22.4 GB/s, 4 streams 256 rows apart 31.0 (torch's sum of the same bytes: 26.4); 2 streams
 // 1.2x one, 8 no better than 4; rows adjacent in memory as 4 streams 16.6 (the prefetchers see one
-// irregular stream). Reading the down rows of 4 experts side by side (each expert's rows one stream) in
-// the MoE's second phase, rather than 4 streams within each expert's rows, measured no faster (MoE medium
-// 30.5 -> 31.1 GB/s, inside the noise) and was left out.
-// `scripts/kernel_ops_bench.py`, one stream -> 4 streams, medians of 5, bf16: projection 18.4 -> 22.3,
-// MoE small 20.6 -> 26.5, medium 21.2 -> 28.0 GB/s; int8 q8 (7): MoE medium 19.3 -> 23.6.
+// irregular stream). So rows_times_tokens gives one tile of tokens 4 rows far apart, each prefetched a row
+// ahead. `scripts/kernel_ops_bench.py`, one stream -> 4 streams, 1 token, medians of 5, bf16: projection
+// 18.4 -> 22.3, MoE small 20.6 -> 26.5, medium 21.2 -> 28.0 GB/s; int8 q8 (7): MoE medium 19.3 -> 23.6
+// (measured with a one-token kernel of its own, two accumulators a row and 1 KB prefetches; the far-row
+// tiles that replaced it measured the same: bf16 MoE medium 28.2 -> 32.0, int8 19.6 -> 20.3, 5 rounds).
+// Reading the down rows of 4 experts side by side (each expert's rows one stream) in the MoE's second
+// phase, rather than 4 streams within each expert's rows, measured no faster (MoE medium 30.5 -> 31.1
+// GB/s, inside the noise) and was left out.
 //
 // Prefetches. Every weight prefetch goes to L2 (prefetcht1: kPrefetchL2), not L1: a prefetch into L1
 // holds one of the core's few L1 miss buffers until its line arrives, which caps one core's stream at
@@ -1718,36 +1720,10 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
 // weights, 8 of 64 experts a token), AVX512_BF16 EPYC, 2 threads, GB/s at 1 / 4 / 32 tokens, medians of
 // 5 interleaved processes, L1 -> L2: f32 mode 15.6 / 14.3 / 12.3 -> 26.3 / 23.6 / 17.6, bf16dp 14.6 /
 // 14.9 / 13.5 -> 19.7 / 19.1 / 18.0. One stream needed 4 KB ahead (kRowAhead: bf16dp's one-row
-// product); several streams are as fast at 1 KB (kStreamAhead).
+// product); several streams take a row ahead.
 constexpr int64_t kRowAhead = 4096;
 
-// s[i] = dot(w[i][0:K], x[0:K]) for S rows read side by side, two accumulators a row.
-template <typename WT, int S>
-inline void dot_rows_f32(const typename WT::elem* const* w, const float* x, int64_t K, float* s) {
-  using E = typename WT::elem;
-  constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(E));
-  constexpr int64_t kStep = kLineElems > kLanes ? kLineElems : kLanes;
-  vec a[S][2];
-  for (int i = 0; i < S; ++i) a[i][0] = a[i][1] = vzero();
-  auto lanes = [&](int64_t k, int j) {
-    const vec xv = vload(x + k);
-    for (int i = 0; i < S; ++i) a[i][j] = vfma(wload(w[i] + k, WT{}), xv, a[i][j]);
-  };
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    for (int i = 0; i < S; ++i)
-      __builtin_prefetch(reinterpret_cast<const char*>(w[i] + k) + kStreamAhead, 0, kPrefetchL2);
-    for (int64_t b = 0; b < kStep; b += kLanes) lanes(k + b, static_cast<int>(b / kLanes) & 1);
-  }
-  for (; k + kLanes <= K; k += kLanes) lanes(k, 0);
-  for (int i = 0; i < S; ++i) {
-    float v = vsum(a[i][0]) + vsum(a[i][1]);
-    for (int64_t j = k; j < K; ++j) v += widen(w[i][j], WT{}) * x[j];
-    s[i] = v;
-  }
-}
-
-// Rows [r0, r1) of a one-token product as kStreams streams: many(r, h) computes rows r, r + h, ...,
+// Rows [r0, r1) of a product as kStreams streams: many(r, h) computes rows r, r + h, ...,
 // r + (kStreams - 1) h; one(r) the rows left over.
 template <typename Many, typename One>
 inline void in_streams(int64_t r0, int64_t r1, const Many& many, const One& one) {
@@ -1871,36 +1847,7 @@ inline void dots_i8q8(const int8_t* const* w, const Act* x, int64_t K, int64_t a
     for (int t = 0; t < NT; ++t) s[r * NT + t] = V::fsum(acc[r][t]);
 }
 
-// S rows of int8 weights x one token's q8 activations, read side by side as dot_rows_f32 reads its rows,
-// two accumulators a row. K % V::kValues == 0. GR: a scale per group of 2^gshift values (gs[i] for row
-// i), as dots_i8q8.
-template <class V, int S, bool GR>
-inline void dot_rows_i8q8(const int8_t* const* w, const Act& x, int64_t K, const float* const* gs, int gshift,
-                          float* s) {
-  using F = typename V::F;
-  constexpr int64_t kStep = V::kValues > 64 ? V::kValues : 64;  // a 64-byte line of each row
-  F a[S][2];
-  for (int i = 0; i < S; ++i) a[i][0] = a[i][1] = V::fzero();
-  auto block = [&](int64_t k, int j) {
-    const typename V::I xq = V::iload(x.q + k);
-    const F d = V::fload(x.d + k / 4);
-    for (int i = 0; i < S; ++i) {
-      const typename V::I wv = V::iload(w[i] + k);
-      F di = d;
-      if constexpr (GR) di = V::fmul(d, V::fset(gs[i][k >> gshift]));
-      a[i][j] = V::ffma(V::i2f(V::dp(V::iabs(wv), V::isign(xq, wv))), di, a[i][j]);
-    }
-  };
-  int64_t k = 0;
-  for (; k + kStep <= K; k += kStep) {
-    for (int i = 0; i < S; ++i) __builtin_prefetch(w[i] + k + kStreamAhead, 0, kPrefetchL2);
-    for (int64_t b = 0; b < kStep; b += V::kValues) block(k + b, static_cast<int>(b / V::kValues) & 1);
-  }
-  for (; k < K; k += V::kValues) block(k, 0);
-  for (int i = 0; i < S; ++i) s[i] = V::fsum(V::fadd(a[i][0], a[i][1]));
-}
-
-// dots_i8q8 / dot_rows_i8q8 on the widest vector the variant has that K (and, with GR, the group of
+// dots_i8q8 on the widest vector the variant has that K (and, with GR, the group of
 // 2^gshift values) divides into blocks of.
 inline bool i8q8_wide(int64_t K, bool grouped, int gshift) {
 #if MT_ISA >= MT_AVX512
@@ -1920,56 +1867,6 @@ inline void i8q8_dots(const int8_t* const* w, const Act* x, int64_t K, int64_t a
   dots_i8q8<V256, NR, NT, GR>(w, x, K, ahead, s, gs, gshift);
 }
 
-template <int S, bool GR>
-inline void i8q8_rows(const int8_t* const* w, const Act& x, int64_t K, const float* const* gs, int gshift, float* s) {
-#if MT_ISA >= MT_AVX512
-  if (i8q8_wide(K, GR, gshift)) return dot_rows_i8q8<V512, S, GR>(w, x, K, gs, gshift, s);
-#endif
-  dot_rows_i8q8<V256, S, GR>(w, x, K, gs, gshift, s);
-}
-#endif
-
-// Whether the one-token products of matrix m read it as streams (stream_rows): the f32 mode's formats
-// (int8 with row scales), and the q8 mode's int8 with row scales or power-of-two group scales.
-template <Kind KD>
-inline bool streams_apply(const Mat& m) {
-  if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32) return true;
-  if constexpr (KD == Kind::I8F32) return m.sg == 0;
-#if MT_ISA >= MT_AVX2
-  if constexpr (KD == Kind::I8Q8) return m.sg == 0 || group_shift(m) >= 0;
-#endif
-  return false;
-}
-
-// One token's products of S rows of m side by side, where streams_apply: v[i] = row rs[i] of m times the
-// activations x, scaled by row or group as m says.
-template <Kind KD, int S>
-inline void stream_rows(const Mat& m, const int64_t* rs, const Act& x, int64_t K, float* v) {
-  if constexpr (KD == Kind::Bf16F32 || KD == Kind::F16F32 || KD == Kind::I8F32) {
-    using WT = std::conditional_t<KD == Kind::Bf16F32, Bf16T, std::conditional_t<KD == Kind::F16F32, F16T, I8T>>;
-    using E = typename WT::elem;
-    const E* w[S];
-    for (int i = 0; i < S; ++i) w[i] = static_cast<const E*>(m.w) + rs[i] * m.ld;
-    dot_rows_f32<WT, S>(w, x.x, K, v);
-    if constexpr (KD == Kind::I8F32)
-      for (int i = 0; i < S; ++i) v[i] *= row_scale(m, rs[i]);
-  }
-#if MT_ISA >= MT_AVX2
-  if constexpr (KD == Kind::I8Q8) {
-    const int8_t* w[S];
-    const float* gs[S];
-    for (int i = 0; i < S; ++i) {
-      w[i] = static_cast<const int8_t*>(m.w) + rs[i] * m.ld;
-      gs[i] = m.sg ? group_scales(m, rs[i]) : nullptr;
-    }
-    if (m.sg) return i8q8_rows<S, true>(w, x, K, gs, group_shift(m), v);
-    i8q8_rows<S, false>(w, x, K, gs, 0, v);
-    for (int i = 0; i < S; ++i) v[i] *= row_scale(m, rs[i]);
-  }
-#endif
-}
-
-#if MT_ISA >= MT_AVX2
 // int4 weights x q8 activations. Rows: chunks of 64 values in 32 bytes (j low nibble, j + 32 high),
 // then, where K is 32 mod 64, one chunk of 32 values in 16 bytes (j low, j + 16 high).
 // dot over a group = scale * sum(q x) + (zero - 8 scale) * sum(x): the first from integer products
@@ -2291,20 +2188,6 @@ inline void row_block(const Mat& m, int64_t r, int64_t step, const Act* x, int64
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
                        Sink& sink) {
-  if (n_tok == 1 && streams_apply<KD>(m)) {  // (int8 group scales of other sizes take the tiles, group by group)
-    in_streams(r0, r1, [&](int64_t r, int64_t h) {
-      int64_t rs[kStreams];
-      float v[kStreams];
-      for (int i = 0; i < kStreams; ++i) rs[i] = r + i * h;
-      stream_rows<KD, kStreams>(m, rs, x[0], K, v);
-      for (int i = 0; i < kStreams; ++i) sink(rs[i], 0, v[i]);
-    }, [&](int64_t r) {
-      float v;
-      stream_rows<KD, 1>(m, &r, x[0], K, &v);
-      sink(r, 0, v);
-    });
-    return;
-  }
 #if MT_ISA >= MT_AVX512BF16
   if constexpr (KD == Kind::Bf16Dp) {
     if (n_tok == 1) {
@@ -2314,12 +2197,13 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
     }
   }
 #endif
-  // One tile of tokens: its 4 rows far apart, as 4 streams (in_streams). `kernel_ops_bench.py`, 5 rounds
-  // (3 at 3 tokens), bf16: lm head 19.0 -> 27.3 GB/s at 2 tokens, 19.5 -> 23.2 at 3; projection 16.6 ->
-  // 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the rest unchanged. Not int4: its
-  // products are bound by arithmetic, and far rows measured no faster (MoE medium at 1 token 12.6 -> 11.8).
-  // Nor more tokens: at 4 and 8 tokens (several tiles a row block) far rows were slower (lm head 19.9 ->
-  // 17.5, 12.6 -> 10.2).
+  // One tile of tokens (one token too): its 4 rows far apart, as 4 streams (in_streams). At 2-3 tokens,
+  // `kernel_ops_bench.py`, 5 rounds (3 at 3 tokens), bf16: lm head 19.0 -> 27.3 GB/s at 2 tokens, 19.5 ->
+  // 23.2 at 3; projection 16.6 -> 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the
+  // rest unchanged. Not int4: its products are bound by arithmetic, and far rows measured no faster (MoE
+  // medium at 1 token 12.6 -> 11.8). Nor more tokens: at 4 and 8 tokens (several tiles a row block) far
+  // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2). int8 groups that are not powers of two go
+  // group by group in the tiles, far rows or not.
   if (KD != Kind::I4Q8 && n_tok <= max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
     in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
