@@ -130,10 +130,12 @@ def _product(w, q8: bool):
 
 def _moe_reference(h, w13, w2, ids, gates, q8=False):
     """Expert by expert in fp32 (weights: stacked float tensors or lists of QWeight); ``q8``: products as the
-    q8 mode computes them (each expert's inputs quantized per row)."""
+    q8 mode computes them (each expert's inputs quantized per row). Returns (out, slack): slack is what
+    the q8 rounding of the down products' inputs may move each output (zero in f32), see
+    :func:`_assert_q8_close`."""
     p13 = [_product(w, q8) for w in w13]
     p2 = [_product(w, q8) for w in w2]
-    out = torch.zeros_like(h)
+    out, slack = torch.zeros_like(h), torch.zeros_like(h)
     for t in range(h.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
@@ -141,21 +143,48 @@ def _moe_reference(h, w13, w2, ids, gates, q8=False):
                 continue
             gu = p13[e](h[t])
             inter = gu.shape[0] // 2
-            out[t] += gates[t, j] * p2[e](F.silu(gu[:inter]) * gu[inter:])
-    return out
+            act = F.silu(gu[:inter]) * gu[inter:]
+            out[t] += gates[t, j] * p2[e](act)
+            if q8:
+                slack[t] += gates[t, j].abs() * _q8_flips(act, w2[e])
+    return out, slack
 
 
-def _assert_q8_close(got, ref, rtol=1e-4, atol_of_max=1e-5):
-    """q8 products against the reference: tight everywhere but where an activation the reference rounds to
-    int8 lands on the other side of a rounding boundary (the kernel's fp32 SiLU differs from PyTorch's in
-    the last bits): such a flip moves a few outputs by one quantization step (about 3e-3 of the largest,
-    measured), so at most 2 % of the outputs may miss the tight bound, and none by more than 1e-2 of the
-    largest output. A wrong scale, expert or layout moves nearly all of them."""
-    scale = float(ref.abs().max())
+def _q8_flips(act: torch.Tensor, w) -> torch.Tensor:
+    """How far the q8 product ``act @ W.T`` moves if the activations lying near a rounding boundary of their
+    int8 quantization round the other way: one step (the block's scale) times that input's weight column.
+    The kernel computes the SiLU (an fp32 exp of its own) and the gate/up products (another summation order)
+    a few ulps off PyTorch, about 1e-4 of a step, so an activation that close to x.5 steps rounds to the
+    other integer there. Each such flip moves every output of the token (seen: 61 of 320 outputs 1.6e-3 of
+    the largest off, from one activation 4e-6 steps from x.5). Over 12,000 tokens of random experts the
+    flips came from activations at most 1e-4 steps from x.5 (int4; 2e-5 int8), so the slack counts those
+    within 1e-3. A wrong scale, expert or layout moves far more."""
+    from engine.moe import quant
+
+    blocks = act.view(-1, 32)
+    step = blocks.abs().amax(1, keepdim=True) / 127
+    frac = (blocks / step.clamp_min(1e-30)).frac().abs()
+    near = ((frac - 0.5).abs() < 1e-3).view(-1)
+    if not bool(near.any()):
+        return torch.zeros(w.shape[0])
+    if isinstance(w, torch.Tensor):
+        cols = w.float()
+    elif w.precision == "int4":  # the reference's scale * q term (the zero term takes the exact sums)
+        cols = quant._int4_values(w)[: w.shape[0]].float() * w.scales[:, : w.shape[0], 0].t().float().repeat_interleave(
+            w.group_size, dim=1)
+    else:
+        cols = quant.dequantize(w)
+    return (cols[:, near].abs() * step.expand_as(blocks).reshape(-1)[near]).sum(1)
+
+
+def _assert_q8_close(got, ref, slack, rtol=1e-4, atol_of_max=1e-5):
+    """q8 products against the reference: within rtol and atol_of_max of the largest output, plus the slack
+    of the activations the two round differently (:func:`_q8_flips`, exact per output and token)."""
+    bound = atol_of_max * float(ref.abs().max()) + rtol * ref.abs() + 1.01 * slack
     err = (got - ref).abs()
-    loose = err > atol_of_max * scale + rtol * ref.abs()
-    assert float(loose.float().mean()) <= 0.02, f"{int(loose.sum())} of {ref.numel()} outputs off, max {float(err.max())}"
-    assert float(err.max()) <= 1e-2 * scale, f"max error {float(err.max())} against {scale}"
+    bad = err > bound
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {ref.numel()} outputs off, worst {float((err - bound).max())} "
+                                 f"past its bound; largest output {float(ref.abs().max())}")
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -169,7 +198,7 @@ def test_moe_matches_expert_by_expert_reference(dtype, tokens):
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(tokens)])
     gates = torch.rand(tokens, k, generator=g)
     ids[0, 1] = -1  # a pruned slot is skipped
-    ref = _moe_reference(h, w13, w2, ids, gates)
+    ref, _ = _moe_reference(h, w13, w2, ids, gates)
     got = kernels.moe(h, w13, w2, ids, gates)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # The same experts as a list, on the same (default) path as the stacked call; kernels.moe took the
@@ -190,7 +219,7 @@ def test_moe_activation_holds_at_the_ends_of_the_exponential(scale):
     w2 = (torch.randn(n_exp, hidden, inter, generator=g) / 8).bfloat16()
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(tokens)])
     gates = torch.rand(tokens, k, generator=g)
-    ref = _moe_reference(h, w13, w2, ids, gates)
+    ref, _ = _moe_reference(h, w13, w2, ids, gates)
     assert bool(torch.isfinite(ref).all())
     for variant in ("scalar", "avx2", "avx512"):
         if variant in _runnable():
@@ -662,9 +691,8 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
     w13 = [hd.fast.w13 for hd in hybrid.handles[layer]]
     w2 = [hd.fast.w2 for hd in hybrid.handles[layer]]
     # seeded: drawn from the global generator, the inputs changed with what earlier tests had drawn (which
-    # depends on the calibration cache), and some (seed 3 here) put 61 of 320 int4 outputs 1e-4 of the
-    # largest off the reference, past the q8 bound, with the code before the 4-stream kernels too
-    h = torch.randn(5, eng.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    # depends on the calibration cache); seed 3 flips one activation's rounding at int4 group 64 (_q8_flips)
+    h = torch.randn(5, eng.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     gates, ids = eng.model.route(eng.model.layers[layer], h)
     modes = ["f32", "q8"] if precision == "int8" else ["q8"]
     for mode in modes:
@@ -672,9 +700,9 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
             calls = hybrid.stats.expert_calls_fast_hi
             fused = hybrid._run_fused(layer, h, gates, ids)
             assert fused is not None and hybrid.stats.expert_calls_fast_hi == calls + len(set(ids.flatten().tolist()))
-            ref = _moe_reference(h, w13, w2, ids, gates, q8=mode == "q8")
+            ref, slack = _moe_reference(h, w13, w2, ids, gates, q8=mode == "q8")
             if mode == "q8":
-                _assert_q8_close(fused, ref, atol_of_max=1e-4)
+                _assert_q8_close(fused, ref, slack, atol_of_max=1e-4)
             else:
                 torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
             x = torch.randn(2, eng.spec.hidden_size)
@@ -811,12 +839,12 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
     assert torch.equal(_ops().moe(h, stacked[0], stacked[1], ids, gates, f"{variant}:{mode}", stacked[2], stacked[3],
                                   group if fmt == "int4" else 0), got)
     if mode in ("bf16dp", "tile"):
-        ref = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
+        ref, _ = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
         return
-    ref = _moe_reference(h, r13, r2, ids, gates, q8=mode == "q8")
+    ref, slack = _moe_reference(h, r13, r2, ids, gates, q8=mode == "q8")
     if mode == "q8":
-        _assert_q8_close(got, ref)
+        _assert_q8_close(got, ref, slack)
     else:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
