@@ -23,29 +23,36 @@ def api_key() -> str | None:
     return os.environ.get("MOETUNE_API_KEY") or None
 
 
-# OpenMP's idle threads sleep at once instead of spinning. libgomp's default spins for up to 300,000
-# iterations at every barrier; on a CPU shared with any other process a spinning thread holds a core the
-# thread it waits for needs, and the engine's many short parallel regions per token slow several times
-# over (README, "Threads wait passively"). libgomp reads the variable once, when PyTorch loads it, so
-# the engine package sets it on import, before anything imports torch; a value the user set is kept.
-OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+# OpenMP's idle threads spin briefly, then sleep. A decode step runs about a hundred short parallel regions,
+# with a few microseconds of serial work between them. Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE)
+# are woken by the kernel at every region, 14-21 us each here; threads that spin libgomp's default 300,000
+# times hold a core for milliseconds after every barrier, and on a CPU shared with any other process the
+# thread they wait for needs that core. 1,000 spins (20-100 us of pause loops) bridge the gaps inside a
+# step and sleep between steps (README, "Threads spin briefly"). libgomp reads the variables once, when
+# PyTorch loads it, so the engine package sets GOMP_SPINCOUNT on import, before anything imports torch;
+# a policy or spin count the user set is kept (GOMP_SPINCOUNT overrides OMP_WAIT_POLICY in libgomp, so
+# it is left unset where the user chose a policy).
+OMP_SPIN_COUNT_DEFAULT = "1000"
 
 _wait_policy: tuple[str, str] | None = None
 
 
 def apply_omp_wait_policy() -> tuple[str, str]:
-    """Set ``OMP_WAIT_POLICY`` unless the user did or torch is already loaded; ``(value, source)``."""
+    """Set ``GOMP_SPINCOUNT`` unless the user set it or ``OMP_WAIT_POLICY``, or torch is already loaded;
+    ``(value, source)``."""
     global _wait_policy
     if _wait_policy is None:
         import sys
 
-        if os.environ.get("OMP_WAIT_POLICY"):
-            _wait_policy = (os.environ["OMP_WAIT_POLICY"].upper(), "environment")
+        policy, spins = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+        if policy or spins:
+            value = ", ".join(([policy.upper()] if policy else []) + ([f"GOMP_SPINCOUNT={spins}"] if spins else []))
+            _wait_policy = (value, "environment")
         elif "torch" in sys.modules:
             _wait_policy = ("libgomp default", "torch was imported before the engine")
         else:
-            os.environ["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_DEFAULT
-            _wait_policy = (OMP_WAIT_POLICY_DEFAULT, "moetune default")
+            os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT_DEFAULT
+            _wait_policy = (f"GOMP_SPINCOUNT={OMP_SPIN_COUNT_DEFAULT}", "moetune default")
     return _wait_policy
 
 
