@@ -11,7 +11,9 @@ cache directory: :mod:`engine.llama_cpp`):
 * ``engine_q8``: every matrix in int8 (experts, and the dense ones: ``dense_precision=int8``), as llama.cpp's
   q8_0 stores them;
 * ``llama_bf16`` / ``llama_q8_0`` / ``llama_q4_0``: llama.cpp through llama-cpp-python (an optional
-  extra: left out, and said so, where it is not installed).
+  extra: left out, and said so, where it is not installed), in a process of its own, where its OpenMP
+  threads wait as they do when users run it (libgomp's default; the engine's process spins 1,000 times
+  and sleeps: :class:`engine.llama_cpp.LlamaCppProcess`). Each system records how its threads wait.
 
 For each batch size B: B prompts are prefilled (prefill tokens/s: the first token's time) and decoded
 together (decode tokens/s: the median step), ``repeats`` times. Systems run one at a time (loaded,
@@ -41,7 +43,7 @@ import torch
 from engine.bench import prefill_then_decode
 from engine.calibrate import memory_bandwidth_gbps
 from engine.config import ConfigError, EngineConfig
-from engine.env import cache_dir
+from engine.env import cache_dir, omp_wait_policy
 from engine.model.maker import resolve_model
 from engine.roofline import peak_gflops, roofline, step_cost
 from engine.runtime import Engine
@@ -128,7 +130,7 @@ class _System:
             from engine.model.checkpoint import Checkpoint
 
             self.gguf = gguf_file(path, Checkpoint(path).fingerprint(), LLAMA_SYSTEMS[name])
-            self.llama = llama_cpp.LlamaCpp(self.gguf, max_batch, ctx_len, threads)
+            self.llama = llama_cpp.LlamaCppProcess(self.gguf, max_batch, ctx_len, threads)  # its own OpenMP waits
         self.load_s = time.perf_counter() - t
 
     def run(self, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
@@ -147,10 +149,11 @@ class _System:
                     "experts": e.model.hybrid.hi if e.model.hybrid is not None else
                     str(e.weight_dtype).replace("torch.", ""),
                     "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "dense": e.model.dense_precision,
-                    "cpu_kernels": e.kernels_label}
+                    "cpu_kernels": e.kernels_label, "openmp_waits": omp_wait_policy()}
         if self.hf is not None:
             return {"dtype": str(self.hf.dtype).replace("torch.", ""), "transformers": _version("transformers")}
-        return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python")}
+        return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python"),
+                "openmp_waits": self.llama.openmp}
 
     def close(self) -> None:
         if self.llama is not None:

@@ -74,6 +74,33 @@ def test_llama_cpp_greedy_tokens_are_the_engines(ckpt, tmp_path):
         assert out == ref and len(steps) == 7 and prefill_s > 0, kind
 
 
+def test_llama_cpp_runs_in_a_process_with_its_own_openmp_waits(ckpt, tmp_path):
+    """compare-hf's llama.cpp: a child process where libgomp waits as it does outside moetune (this process
+    spins as the engine set it), with the same greedy tokens; a file it cannot load is a one-line error."""
+    from engine.env import apply_omp_wait_policy
+
+    env, label = llama_cpp.own_environment()
+    value, source = apply_omp_wait_policy()
+    if source == "moetune default":
+        assert env["GOMP_SPINCOUNT"] == "300000" and label == "libgomp default (GOMP_SPINCOUNT=300000)"
+    else:  # the user's own settings hold for both
+        assert label == f"{value} ({source})"
+    with pytest.raises(RuntimeError, match="missing.gguf|llama_cpp"):
+        llama_cpp.LlamaCppProcess(tmp_path / "missing.gguf", 1, 8, 1)
+    if llama_cpp.available() is not None:
+        return
+    ref = Engine(ckpt, EngineConfig().replace(compute_dtype="float32")).generate(PROMPTS, 8)
+    r = llama_cpp.LlamaCppProcess(llama_cpp.write_gguf(ckpt, tmp_path / "m.gguf", "bf16"), len(PROMPTS), 32, 1)
+    try:
+        prefill_s, steps, out = r.generate(PROMPTS, 8)
+        with pytest.raises(RuntimeError, match="prompts"):  # an error in the child comes back, the child lives
+            r.generate(PROMPTS * 2, 4)
+        assert r.generate(PROMPTS, 8)[2] == ref
+    finally:
+        r.close()
+    assert out == ref and len(steps) == 7 and prefill_s > 0 and r.proc.returncode == 0
+
+
 def test_eval_scores_llama_cpp_against_the_engines_reference(ckpt, capsys):
     """`engine eval --llama KIND`: llama.cpp's next-token agreement on the same prompts and fp32 reference as
     the engine's configs get, so their quality compares directly; coarser GGUFs drift further."""
