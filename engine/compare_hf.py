@@ -173,32 +173,36 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: int, bw: float,
-              touched: float | None) -> dict[str, Any]:
-    """The decode roofline of one system at one batch size, from the bytes it reads."""
+def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: int,
+              touched: float | None) -> Callable[[float], dict[str, Any]]:
+    """The decode roofline of one system at one batch size, from the bytes it reads, as a function of the
+    read bandwidth (GB/s: the best measured through the run, known at its end)."""
     context = prompt_len + new_tokens / 2
     expected = spec.n_experts * (1.0 - (1.0 - spec.top_k / spec.n_experts) ** batch)
     if system.engine is not None:
-        r = roofline(step_cost(system.engine, batch, system.engine.model.stats.mean_distinct() or expected, context), bw)
-    elif system.gguf is not None:
+        cost = step_cost(system.engine, batch, system.engine.model.stats.mean_distinct() or expected, context)
+        return lambda bw: roofline(cost, bw)
+    if system.gguf is not None:
         from engine import llama_cpp
 
         g = llama_cpp.gguf_bytes_per_token(system.gguf, spec.n_experts, spec.top_k, touched or expected)
-        kv = spec.kv_bytes_per_token(2) * batch * context  # llama.cpp's KV cache is f16
-        b = g["bytes_per_step"] + kv
-        r = {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": batch * bw * 1e9 / b,
-             "compute_roofline_tokens_per_s": None, "bound": "bandwidth"}
-        r["roofline_tokens_per_s"] = r["bandwidth_roofline_tokens_per_s"]
-    else:  # transformers: bf16 weights and KV cache, bf16 products
-        t = touched or expected
-        b = spec.weight_bytes_touched(batch, 2, t) + spec.kv_bytes_per_token(2) * batch * context
-        peak = peak_gflops("bf16/torch:bf16")
-        flop = 2.0 * spec.active_params_per_token() * batch + 4.0 * spec.q_size * batch * context * spec.n_layers
-        bw_tps, comp = batch * bw * 1e9 / b, (batch / (flop / (peak * 1e9)) if peak else None)
-        r = {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": bw_tps, "compute_roofline_tokens_per_s": comp,
-             "roofline_tokens_per_s": min(bw_tps, comp or bw_tps),
-             "bound": "compute" if comp and comp < bw_tps else "bandwidth"}
-    return r
+        b = g["bytes_per_step"] + spec.kv_bytes_per_token(2) * batch * context  # llama.cpp's KV cache is f16
+        return lambda bw: {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": batch * bw * 1e9 / b,
+                           "compute_roofline_tokens_per_s": None, "bound": "bandwidth",
+                           "roofline_tokens_per_s": batch * bw * 1e9 / b}
+    # transformers: bf16 weights and KV cache, bf16 products
+    b = spec.weight_bytes_touched(batch, 2, touched or expected) + spec.kv_bytes_per_token(2) * batch * context
+    peak = peak_gflops("bf16/torch:bf16")
+    flop = 2.0 * spec.active_params_per_token() * batch + 4.0 * spec.q_size * batch * context * spec.n_layers
+    comp = batch / (flop / (peak * 1e9)) if peak else None
+
+    def at(bw: float) -> dict[str, Any]:
+        bw_tps = batch * bw * 1e9 / b
+        return {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": bw_tps, "compute_roofline_tokens_per_s": comp,
+                "roofline_tokens_per_s": min(bw_tps, comp or bw_tps),
+                "bound": "compute" if comp and comp < bw_tps else "bandwidth"}
+
+    return at
 
 
 def _rates(runs: list[tuple[float, list[float]]], batch: int, prompt_len: int) -> tuple[float, float]:
@@ -222,14 +226,16 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
     if why is not None:
         skipped.update({s: why for s in systems if s in LLAMA_SYSTEMS})
     names = [s for s in systems if s not in skipped]
-    bw = memory_bandwidth_gbps(fresh=True)  # measured in this run
+    # The read bandwidth, measured before the first round and after each: the rooflines take the best, as a
+    # single measure taken in a dip of a shared machine made the engine's decode look like 100 % of it.
+    bws = [memory_bandwidth_gbps(fresh=True)]
     threads = torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, spec.vocab_size, (b, prompt_len), generator=g) for b in batches}
     runs: dict[str, dict[int, list[list[tuple[float, list[float]]]]]] = {n: {b: [] for b in batches} for n in names}
     info: dict[str, Any] = {}
     touched: dict[int, float] = {}  # the engine's measured distinct experts per layer per step, by batch
-    rooflines: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    rooflines: dict[str, dict[int, Callable[[float], dict[str, Any]]]] = {n: {} for n in names}
     fused: dict[str, dict[int, float]] = {n: {} for n in names}  # the engine's decode steps run fused, by batch
     later: dict[str, Path | None] = {}  # peers: rooflines once the engine measured the experts touched
     for rnd in range(rounds):
@@ -257,16 +263,18 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
                 if sysm.engine is not None and name == "engine":
                     touched[b] = sysm.engine.model.stats.mean_distinct()
                 if rnd == 0 and sysm.engine is not None:  # its bytes come from the loaded model
-                    rooflines[name][b] = _roofline(sysm, spec, b, prompt_len, new_tokens, bw, touched.get(b))
+                    rooflines[name][b] = _roofline(sysm, spec, b, prompt_len, new_tokens, touched.get(b))
             if rnd == 0 and sysm.engine is None:
                 later[name] = sysm.gguf
             sysm.close()
             log.info("compare: round %d, %s done", rnd + 1, name)
+        bws.append(memory_bandwidth_gbps(fresh=True))
+    bw = max(bws)
     for name, gguf in later.items():
         stub = _System.__new__(_System)
         stub.engine, stub.gguf = None, gguf
         for b in batches:
-            rooflines[name][b] = _roofline(stub, spec, b, prompt_len, new_tokens, bw, touched.get(b))
+            rooflines[name][b] = _roofline(stub, spec, b, prompt_len, new_tokens, touched.get(b))
     rows = []
     measured = [n for n in names if n not in skipped]
     for b in batches:
@@ -281,8 +289,9 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
             row[f"{n}_prefill_tokens_per_s_rounds"] = [p for p, _ in by_round]
             if b in fused[n]:
                 row[f"{n}_decode_steps_fused"] = fused[n][b]
-            rf = rooflines[n].get(b)
-            if rf:
+            at = rooflines[n].get(b)
+            if at:
+                rf = at(bw)
                 row[f"{n}_roofline"] = rf
                 row[f"{n}_roofline_fraction"] = row[f"{n}_decode_tokens_per_s"] / rf["roofline_tokens_per_s"]
                 row[f"{n}_bandwidth_roofline_fraction"] = (row[f"{n}_decode_tokens_per_s"]
@@ -291,7 +300,7 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
     from engine import kernels
 
     res = {"model": str(path), "arch": spec.arch, "systems": info, "skipped": skipped, "threads": threads,
-           "mem_bw_gb_per_s": bw, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+           "mem_bw_gb_per_s": bw, "mem_bw_samples_gb_per_s": bws, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
            "rounds": rounds, "rows": rows, "kernel_dispatch": kernels.dispatch_report()}
     res["targets"] = targets(res)
     return res
@@ -412,7 +421,8 @@ def main(args: argparse.Namespace) -> int:
                   progress=lambda line: print(f"compare-hf: {line}", file=sys.stderr, flush=True))
     print(f"model {res['model']} ({res['arch']}), prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"{res['threads']} threads, medians of {args.repeats} x {args.rounds} rounds; memory read bandwidth "
-          f"{res['mem_bw_gb_per_s']:.1f} GB/s")
+          f"{res['mem_bw_gb_per_s']:.1f} GB/s (the best of {len(res['mem_bw_samples_gb_per_s'])} measures, before the "
+          f"first round and after each: " + " / ".join(f"{v:.1f}" for v in res['mem_bw_samples_gb_per_s']) + ")")
     for n, d in res["systems"].items():
         print(f"  {n}: " + ", ".join(f"{k} {v}" for k, v in d.items() if k != "load_s"))
     for n, why in res["skipped"].items():

@@ -135,6 +135,9 @@ def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, nativ
     if llama_cpp.available() is not None:
         assert "not installed" in res["skipped"]["llama_bf16"]
     assert sorted(res["systems"]) == sorted(measured)
+    # the rooflines take the best read bandwidth of the run: measured before the first round and after each
+    assert len(res["mem_bw_samples_gb_per_s"]) == 2 and res["mem_bw_gb_per_s"] == max(res["mem_bw_samples_gb_per_s"])
+    assert all(res["systems"][n]["openmp_waits"] for n in measured if n != "transformers")
     # one progress line per system and batch as it is measured, on stderr (stdout stays the JSON)
     progress = [ln for ln in cap.err.splitlines() if ln.startswith("compare-hf: round 1/1, ")]
     assert [ln.split(":")[1].strip() for ln in progress] == [f"round 1/1, {n}, batch {b}" for n in measured
