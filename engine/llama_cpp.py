@@ -18,7 +18,11 @@ batch and decodes them together, greedy, with llama.cpp's own threads (``n_threa
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -280,8 +284,6 @@ LIBGOMP_DEFAULT_SPIN_COUNT = "300000"  # libgomp's own default when neither vari
 def own_environment() -> tuple[dict[str, str], str]:
     """The environment llama.cpp runs in, and how its OpenMP threads wait there: the user's settings where
     they set any (the engine runs with them too), else libgomp's default, as outside moetune."""
-    import os
-
     from engine.env import apply_omp_wait_policy
 
     value, source = apply_omp_wait_policy()
@@ -297,9 +299,6 @@ class LlamaCppProcess:
     the same ``generate``, timed in the child; one JSON line each way per call."""
 
     def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int):
-        import subprocess
-        import sys
-
         env, self.openmp = own_environment()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.llama_cpp", str(gguf_path), str(n_seqs), str(n_ctx_per_seq), str(threads)],
@@ -311,8 +310,6 @@ class LlamaCppProcess:
             raise
 
     def _reply(self) -> dict[str, Any]:
-        import json
-
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the llama.cpp process exited with status {self.proc.wait()}")
@@ -322,16 +319,12 @@ class LlamaCppProcess:
         return msg
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
-        import json
-
         self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
         self.proc.stdin.flush()
         msg = self._reply()
         return msg["prefill_s"], msg["steps"], msg["out"]
 
     def close(self) -> None:
-        import subprocess
-
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -345,10 +338,6 @@ class LlamaCppProcess:
 def _child(argv: list[str]) -> int:
     """The process :class:`LlamaCppProcess` starts: requests on stdin, replies on the original stdout (what
     llama.cpp itself prints goes to stderr)."""
-    import json
-    import os
-    import sys
-
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
 
@@ -376,6 +365,4 @@ def _child(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(_child(sys.argv[1:]))
