@@ -187,14 +187,12 @@ def _roofline(system: _System, spec, batch: int, prompt_len: int, new_tokens: in
 
         g = llama_cpp.gguf_bytes_per_token(system.gguf, spec.n_experts, spec.top_k, touched or expected)
         b = g["bytes_per_step"] + spec.kv_bytes_per_token(2) * batch * context  # llama.cpp's KV cache is f16
-        return lambda bw: {"bytes_per_step": b, "bandwidth_roofline_tokens_per_s": batch * bw * 1e9 / b,
-                           "compute_roofline_tokens_per_s": None, "bound": "bandwidth",
-                           "roofline_tokens_per_s": batch * bw * 1e9 / b}
-    # transformers: bf16 weights and KV cache, bf16 products
-    b = spec.weight_bytes_touched(batch, 2, touched or expected) + spec.kv_bytes_per_token(2) * batch * context
-    peak = peak_gflops("bf16/torch:bf16")
-    flop = 2.0 * spec.active_params_per_token() * batch + 4.0 * spec.q_size * batch * context * spec.n_layers
-    comp = batch / (flop / (peak * 1e9)) if peak else None
+        comp = None
+    else:  # transformers: bf16 weights and KV cache, bf16 products
+        b = spec.weight_bytes_touched(batch, 2, touched or expected) + spec.kv_bytes_per_token(2) * batch * context
+        peak = peak_gflops("bf16/torch:bf16")
+        flop = 2.0 * spec.active_params_per_token() * batch + 4.0 * spec.q_size * batch * context * spec.n_layers
+        comp = batch / (flop / (peak * 1e9)) if peak else None
 
     def at(bw: float) -> dict[str, Any]:
         bw_tps = batch * bw * 1e9 / b
@@ -300,8 +298,8 @@ def compare(model: str, batches: list[int], prompt_len: int, new_tokens: int, re
     from engine import kernels
 
     res = {"model": str(path), "arch": spec.arch, "systems": info, "skipped": skipped, "threads": threads,
-           "mem_bw_gb_per_s": bw, "mem_bw_samples_gb_per_s": bws, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-           "rounds": rounds, "rows": rows, "kernel_dispatch": kernels.dispatch_report()}
+           "mem_bw_gb_per_s": bw, "mem_bw_samples_gb_per_s": bws, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "repeats": repeats, "rounds": rounds, "rows": rows, "kernel_dispatch": kernels.dispatch_report()}
     res["targets"] = targets(res)
     return res
 

@@ -2280,15 +2280,13 @@ void moe_kind(const MoeJob& j, float* op) {
   prepare(act.data(), P, inter, KD, G, as);
   if (sp.down_rows) {  // few tokens an expert: each item a long run of one expert's down rows (Spans)
     const std::vector<ExpertRows> down = expert_row_blocks(R, E, H, sp.down_rows);
-    const int64_t n_down = static_cast<int64_t>(down.size());
     std::vector<float> y(P * H);  // each slot's down product, unweighted
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_down > 1)
-    for (int64_t it = 0; it < n_down; ++it) {
+    parallel_chunks(static_cast<int64_t>(down.size()), 1, [&](int64_t it, int64_t) {
       const ExpertRows& item = down[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
       auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
       rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink);
-    }
+    });
     for (int64_t p = 0; p < P; ++p) {  // the slots in expert order: the sums of the row-block items' order
       float* o = op + R.tok[p] * H;
       const float gp = R.gate[p], *yp = y.data() + p * H;
