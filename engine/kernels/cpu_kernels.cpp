@@ -233,51 +233,58 @@ struct MoeJob {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// Phase 1's work items: each routed expert's gate/up rows [0, inter) in blocks of rb.
+// Work items: each routed expert's rows [0, rows) (phase 1: gate/up rows; phase 2: down rows) in
+// blocks. expert_row_blocks: blocks of rb rows. expert_runs: blocks of about `work` rows x tokens, so an
+// expert with few tokens is one long run of rows and one with many is split (the schedule stays balanced).
 struct ExpertRows { int64_t e, r0, r1; };
-inline std::vector<ExpertRows> expert_row_blocks(const Routes& R, int64_t E, int64_t inter, int64_t rb) {
+inline std::vector<ExpertRows> expert_row_blocks(const Routes& R, int64_t E, int64_t rows, int64_t rb) {
   std::vector<ExpertRows> items;
   for (int64_t e = 0; e < E; ++e)
     if (R.offset[e + 1] > R.offset[e])
-      for (int64_t r = 0; r < inter; r += rb) items.push_back({e, r, std::min(inter, r + rb)});
+      for (int64_t r = 0; r < rows; r += rb) items.push_back({e, r, std::min(rows, r + rb)});
+  return items;
+}
+inline std::vector<ExpertRows> expert_runs(const Routes& R, int64_t E, int64_t rows, int64_t work) {
+  std::vector<ExpertRows> items;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = R.offset[e + 1] - R.offset[e];
+    if (n == 0) continue;
+    const int64_t rb = std::min(rows, std::max<int64_t>(32, work / n / 32 * 32));
+    for (int64_t r = 0; r < rows; r += rb) items.push_back({e, r, std::min(rows, r + rb)});
+  }
   return items;
 }
 
-// How moe_kind splits its work among threads. Where every expert sees few tokens (decode at small
-// batches) the products are bound by reading the weights, and the hardware prefetchers stream long
-// contiguous runs best: each phase's items are a few per thread, each a long run of one expert's rows
-// (phase 1: gate and up rows of an expert; phase 2: output rows, every routed expert's down rows in
-// turn). With more tokens an expert's rows are reused across its tokens, and small items (32 gate/up
-// rows, 16 output rows) balance the threads.
+// How moe_kind splits its work among threads. The products read each expert's rows once for all its
+// tokens; where an expert's tokens fit one token block of rows_times_tokens (kTokBlock) its rows are read
+// best as long runs, which the prefetchers stream: each phase's items are runs of one expert's rows, about
+// 4 items a thread's worth of rows x tokens each (expert_runs): at one token an expert, phase 1's items are
+// an expert's gate and up rows, 2 x 384 rows x 2 KB (medium preset), phase 2's its down rows, 1024 x 768 B.
+// Phase 2 then keeps each slot's down product apart and sums them per token in expert order. With more
+// tokens than a block an expert's rows are read once per block, and small items (32 gate/up rows; 16
+// output rows, every expert's down rows in turn, summed into the output as they come) keep the rows in
+// cache across the blocks.
 //
-// Phase 2 at few tokens: an item of output rows read each routed expert's down rows for them in turn, a
-// run of 128 rows x 768 B (medium preset) an expert, as 4 streams of 24 KB: too short for the prefetchers.
-// Its items are now an expert's down rows (down_rows: the whole 1024 at one token, 4 streams of 192 KB),
-// each slot's product kept apart and summed in expert order afterwards (the same bits as before). On a
-// 2-core AMD EPYC (AVX2), with the lm head's one-token chunks of up to 1024 rows (linear_kind), 2026-12-04:
-// `engine bench` medium preset, prompt 128, 64 new tokens, paired rounds against the tree before, median
-// ratio of decode tok/s: batch 1 bf16 x1.06 (10 rounds, 8 faster), batch 2 bf16 x1.07 (4), int8 experts
-// and dense at batch 1 x0.96 (4; 81.2 -> 81.0 tok/s, inside the noise). Items of 128 down rows at more
-// tokens measured no different (batch 32 regime) and were left out.
+// History, medium-preset MoE layer on a 2-core AMD EPYC (AVX2), bf16, 2 threads, GFLOP/s at n tokens an
+// expert (every expert n tokens, /tmp/ab/moe_n.py, two interleaved rounds):
+// - Runs were first used up to 2 tokens an expert, short items above (phase 2's items were output rows,
+//   each reading 128 rows x 768 B an expert, as 4 streams of 24 KB: too short for the prefetchers). Phase
+//   2's items became an expert's down rows at one token; `engine bench`, prompt 128, 64 new tokens, paired
+//   rounds, decode tok/s: batch 1 bf16 x1.06 (10 rounds), batch 2 x1.07 (4), int8 batch 1 x0.96 (noise).
+// - Runs up to 64 tokens an expert (2026-12-04): n = 3: 50-61 -> 80-93, n = 4: 56-59 -> 73-80, n = 6:
+//   74-80 -> 90-96, n = 8: 81 -> 96-99, n = 12 to 64 the same or better; at n = 128 (two token blocks)
+//   runs measured 96-101 against 103-106, so the blocks of a larger expert keep short items.
+constexpr int64_t kTokBlock = 64;  // tokens rows_times_tokens multiplies each pass of rows with
 struct Spans {
-  int64_t rows;           // phase 1: gate/up rows per item
-  int64_t out_rows;       // phase 2: output rows per item, every expert's down rows in turn
-  int64_t down_rows = 0;  // or, where set, phase 2's items are one expert's down rows, this many
+  bool runs = false;                   // items are runs of one expert's rows (expert_runs)
+  int64_t work_up = 0, work_down = 0;  // rows x tokens an item, phase 1 and 2, where runs
 };
-constexpr int64_t kStreamTokens = 2;  // most tokens per expert at which the items are long runs
 inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
-  int64_t most = 0, active = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = R.offset[e + 1] - R.offset[e];
-    most = std::max(most, n);
-    active += n > 0;
-  }
-  if (most > kStreamTokens || active == 0) return {32, 16};
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = std::max(most, R.offset[e + 1] - R.offset[e]);
+  if (most == 0 || most > kTokBlock) return {};
   const int64_t items = 4 * std::max(n_threads, 1);  // a few items a thread: the dynamic schedule balances
-  const int64_t rows = std::max<int64_t>(32, (active * inter + items - 1) / items / 32 * 32);
-  const int64_t out_rows = std::max<int64_t>(16, (H + items - 1) / items / 16 * 16);
-  const int64_t down_rows = std::max<int64_t>(32, (active * H + items - 1) / items / 32 * 32);
-  return {std::min(rows, inter), std::min(out_rows, H), std::min(down_rows, H)};
+  return {true, (R.P * inter + items - 1) / items, (R.P * H + items - 1) / items};
 }
 
 // exp of each lane: exp(r) = 2^n * p(r'), n = round(r log2 e), r' = r - n ln 2 in [-ln2/2, ln2/2], p the
@@ -2222,7 +2229,6 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
                [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); });
     return;
   }
-  constexpr int64_t kTokBlock = 64;
   for (int64_t t0 = 0; t0 < n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(n_tok, t0 + kTokBlock);
     int64_t r = r0;
@@ -2263,7 +2269,7 @@ void moe_kind(const MoeJob& j, float* op) {
   std::vector<float> act(P * inter);
   const int n_threads = at::get_num_threads();
   const Spans sp = moe_spans(R, E, inter, H, n_threads);
-  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, sp.rows);
+  const std::vector<ExpertRows> items = sp.runs ? expert_runs(R, E, inter, sp.work_up) : expert_row_blocks(R, E, inter, 32);
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
   for (int64_t it = 0; it < n_items; ++it) {
@@ -2278,8 +2284,8 @@ void moe_kind(const MoeJob& j, float* op) {
   }
   Prepared as;
   prepare(act.data(), P, inter, KD, G, as);
-  if (sp.down_rows) {  // few tokens an expert: each item a long run of one expert's down rows (Spans)
-    const std::vector<ExpertRows> down = expert_row_blocks(R, E, H, sp.down_rows);
+  if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
+    const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
     std::vector<float> y(P * H);  // each slot's down product, unweighted
     parallel_chunks(static_cast<int64_t>(down.size()), 1, [&](int64_t it, int64_t) {
       const ExpertRows& item = down[it];
@@ -2287,14 +2293,18 @@ void moe_kind(const MoeJob& j, float* op) {
       auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
       rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink);
     });
-    for (int64_t p = 0; p < P; ++p) {  // the slots in expert order: the sums of the row-block items' order
-      float* o = op + R.tok[p] * H;
-      const float gp = R.gate[p], *yp = y.data() + p * H;
-      for (int64_t r = 0; r < H; ++r) o[r] += gp * yp[r];
-    }
+    // Each output row sums its slots in expert order (the order of the short items' sums below: the same
+    // bits), on the threads where there are many.
+    parallel_chunks(H, P * H >= (1 << 16) ? 128 : H, [&](int64_t r0, int64_t r1) {
+      for (int64_t p = 0; p < P; ++p) {
+        float* o = op + R.tok[p] * H;
+        const float gp = R.gate[p], *yp = y.data() + p * H;
+        for (int64_t r = r0; r < r1; ++r) o[r] += gp * yp[r];
+      }
+    });
     return;
   }
-  parallel_chunks(H, sp.out_rows, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(H, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
       if (n == 0) continue;
