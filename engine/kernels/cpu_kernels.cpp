@@ -265,15 +265,17 @@ inline std::vector<ExpertRows> expert_runs(const Routes& R, int64_t E, int64_t r
 // output rows, every expert's down rows in turn, summed into the output as they come) keep the rows in
 // cache across the blocks.
 //
-// History, medium-preset MoE layer on a 2-core AMD EPYC (AVX2), bf16, 2 threads, GFLOP/s at n tokens an
-// expert (every expert n tokens, /tmp/ab/moe_n.py, two interleaved rounds):
+// History, medium-preset MoE layer on a 2-core AMD EPYC (AVX2), 2 threads:
 // - Runs were first used up to 2 tokens an expert, short items above (phase 2's items were output rows,
 //   each reading 128 rows x 768 B an expert, as 4 streams of 24 KB: too short for the prefetchers). Phase
 //   2's items became an expert's down rows at one token; `engine bench`, prompt 128, 64 new tokens, paired
 //   rounds, decode tok/s: batch 1 bf16 x1.06 (10 rounds), batch 2 x1.07 (4), int8 batch 1 x0.96 (noise).
-// - Runs up to 64 tokens an expert (2026-12-04): n = 3: 50-61 -> 80-93, n = 4: 56-59 -> 73-80, n = 6:
-//   74-80 -> 90-96, n = 8: 81 -> 96-99, n = 12 to 64 the same or better; at n = 128 (two token blocks)
-//   runs measured 96-101 against 103-106, so the blocks of a larger expert keep short items.
+// - Runs up to 64 tokens an expert (2026-12-04). `scripts/kernel_ops_bench.py --tokens T`, MoE medium,
+//   GB/s read, medians of 3 interleaved rounds, short items -> runs: bf16 (f32 mode) at 32 tokens 14.0 ->
+//   18.4; int8 (q8) at 8 tokens 15.2 -> 24.4, at 32 10.6 -> 12.4; int4 g128 at 8 tokens 7.1 -> 11.2, at
+//   32 4.5 -> 6.1. Every expert at exactly n tokens, bf16, GFLOP/s over two rounds: n = 3 50-61 -> 80-93,
+//   n = 4 56-72 -> 73-80, n = 8 72-87 -> 96-99, n = 16 94 -> 94-112; at n = 128 (two token blocks) runs
+//   measured 96-101 against 103-106, so an expert with more tokens than a block keeps short items.
 constexpr int64_t kTokBlock = 64;  // tokens rows_times_tokens multiplies each pass of rows with
 struct Spans {
   bool runs = false;                   // items are runs of one expert's rows (expert_runs)
@@ -2258,8 +2260,10 @@ void linear_kind(const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, in
 
 // The routed experts of T tokens (routes grouped by expert):
 //   phase 1: for each expert and block of its rows, gate and up products of its tokens -> act
-//   phase 2: for each block of output rows, every expert's down product of its tokens, weighted
-//            by the gate and summed per token (a thread owns its output rows: no races).
+//   phase 2: the down products of each expert's tokens, weighted by the gate and summed per token in
+//            expert order: per run of an expert's down rows into a buffer per slot, then summed per block
+//            of output rows; or per block of output rows over every expert in turn (moe_spans). A thread
+//            owns the rows it writes: no races.
 template <Kind KD>
 void moe_kind(const MoeJob& j, float* op) {
   const Routes& R = *j.routes;

@@ -188,7 +188,7 @@ def _assert_q8_close(got, ref, slack, rtol=1e-4, atol_of_max=1e-5):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 40, 200])
 def test_moe_matches_expert_by_expert_reference(dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
     n_exp, hidden, inter, k = 8, 72, 40, 3  # inter and hidden not multiples of 16: tails everywhere
@@ -802,11 +802,13 @@ MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp1
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
-@pytest.mark.parametrize("tokens", [23, 2, 1])
+@pytest.mark.parametrize("tokens", [70, 40, 23, 2, 1])
 def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
-    """Many experts, some unrouted (None), a skipped slot, uneven tokens per expert. At 1 and 2 tokens no
-    expert sees more than 2: the work is split in long runs of rows (moe_spans), and an expert with one
-    token reads its rows as several streams."""
+    """Many experts, some unrouted (None), a skipped slot, uneven tokens per expert. Up to 64 tokens an
+    expert the work is split in runs of one expert's rows (moe_spans): at 1, 2 and 23 tokens one run an
+    expert and phase; at 40 every token also routes to expert 0, whose runs are split to balance the
+    threads; at 70 expert 0 has more tokens than a token block, and the items are short blocks of rows. An
+    expert with one token reads its rows as several streams."""
     if _refused(variant):
         return
     from engine.moe import quant
@@ -814,7 +816,11 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
     g = torch.Generator().manual_seed(len(variant) + len(fmt))
     n_exp, hidden, inter, k, group = 32, 96, 64, 4, 32
     h = torch.randn(tokens, hidden, generator=g)
-    ids = torch.stack([torch.randperm(n_exp - 4, generator=g)[:k] for _ in range(tokens)])  # experts 28..31 unused
+    if tokens >= 40:  # slot 0 of every token: expert 0; the other slots: experts 1..27
+        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_exp - 5, generator=g)[:k - 1]])
+                           for _ in range(tokens)])
+    else:
+        ids = torch.stack([torch.randperm(n_exp - 4, generator=g)[:k] for _ in range(tokens)])  # experts 28..31 unused
     ids[0, 1] = -1
     gates = torch.rand(tokens, k, generator=g)
     f13 = [torch.randn(2 * inter, hidden, generator=g) / 8 for _ in range(n_exp)]
