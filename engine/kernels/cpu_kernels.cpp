@@ -2205,10 +2205,11 @@ inline void row_block(const Mat& m, int64_t r, int64_t step, const Act* x, int64
 }
 
 // sink(row, token, dot(row of m, token)) for rows [r0, r1) and n_tok tokens; tokens in blocks of 64
-// so that a block's activations stay in cache while the rows stream past.
+// so that a block's activations stay in cache while the rows stream past. Up to far_tiles register tiles of
+// tokens the rows are read as far-apart streams (below).
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
-                       Sink& sink) {
+                       Sink& sink, int far_tiles = 1) {
 #if MT_ISA >= MT_AVX512BF16
   if constexpr (KD == Kind::Bf16Dp) {
     if (n_tok == 1) {
@@ -2223,9 +2224,12 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   // 23.2 at 3; projection 16.6 -> 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the
   // rest unchanged. Not int4: its products are bound by arithmetic, and far rows measured no faster (MoE
   // medium at 1 token 12.6 -> 11.8). Nor more tokens: at 4 and 8 tokens (several tiles a row block) far
-  // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2). int8 groups that are not powers of two go
-  // group by group in the tiles, far rows or not.
-  if (KD != Kind::I4Q8 && n_tok <= max_tokens<KD>()) {
+  // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2), but in the MoE's runs of an expert's rows
+  // (moe_kind passes far_tiles = 2), AVX2, short runs -> far rows to 2 tiles, 3 rounds, MoE medium: 23.7
+  // -> 27.6 GB/s at 6 tokens, 20.4 -> 22.6 at 32 (about 4 an expert); lm head at 4 and 6 tokens 19.7 ->
+  // 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two go group by group in the tiles, far
+  // rows or not.
+  if (KD != Kind::I4Q8 && n_tok <= far_tiles * max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
     in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
                [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); });
@@ -2281,9 +2285,9 @@ void moe_kind(const MoeJob& j, float* op) {
     const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
     std::vector<float> g(rows * n), u(rows * n);
     auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
-    rows_times_tokens<KD>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, G, gate_sink);
+    rows_times_tokens<KD>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, G, gate_sink, 2);
     auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
-    rows_times_tokens<KD>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, G, up_sink);
+    rows_times_tokens<KD>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, G, up_sink, 2);
     store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
   }
   Prepared as;
@@ -2295,7 +2299,7 @@ void moe_kind(const MoeJob& j, float* op) {
       const ExpertRows& item = down[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
       auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
-      rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink);
+      rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink, 2);
     });
     // Each output row sums its slots in expert order (the order of the short items' sums below: the same
     // bits), on the threads where there are many.
