@@ -2225,9 +2225,9 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   // rest unchanged. Not int4: its products are bound by arithmetic, and far rows measured no faster (MoE
   // medium at 1 token 12.6 -> 11.8). Nor more tokens: at 4 and 8 tokens (several tiles a row block) far
   // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2), but in the MoE's runs of an expert's rows
-  // (moe_kind passes far_tiles = 2), AVX2, short runs -> far rows to 2 tiles, 3 rounds, MoE medium: 23.7
-  // -> 27.6 GB/s at 6 tokens, 20.4 -> 22.6 at 32 (about 4 an expert); lm head at 4 and 6 tokens 19.7 ->
-  // 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two go group by group in the tiles, far
+  // (moe_kind passes far_tiles = 2) they were faster: AVX2, far rows to 2 tiles, 3 rounds, MoE medium at
+  // 32 tokens (about 4 an expert) bf16 20.7 -> 22.1 GB/s, int8 q8 12.7 -> 14.3, at 8 tokens no different;
+  // lm head at 4 and 6 tokens 19.7 -> 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two go group by group in the tiles, far
   // rows or not.
   if (KD != Kind::I4Q8 && n_tok <= far_tiles * max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
