@@ -233,17 +233,10 @@ struct MoeJob {
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// Work items: each routed expert's rows [0, rows) (phase 1: gate/up rows; phase 2: down rows) in
-// blocks. expert_row_blocks: blocks of rb rows. expert_runs: blocks of about `work` rows x tokens, so an
-// expert with few tokens is one long run of rows and one with many is split (the schedule stays balanced).
+// Work items: each routed expert's rows [0, rows) (phase 1: gate/up rows; phase 2: down rows) in blocks
+// of about `work` rows x tokens (at least 32 rows; work 0: blocks of 32 rows), so an expert with few tokens
+// is one long run of rows and one with many is split (the schedule stays balanced).
 struct ExpertRows { int64_t e, r0, r1; };
-inline std::vector<ExpertRows> expert_row_blocks(const Routes& R, int64_t E, int64_t rows, int64_t rb) {
-  std::vector<ExpertRows> items;
-  for (int64_t e = 0; e < E; ++e)
-    if (R.offset[e + 1] > R.offset[e])
-      for (int64_t r = 0; r < rows; r += rb) items.push_back({e, r, std::min(rows, r + rb)});
-  return items;
-}
 inline std::vector<ExpertRows> expert_runs(const Routes& R, int64_t E, int64_t rows, int64_t work) {
   std::vector<ExpertRows> items;
   for (int64_t e = 0; e < E; ++e) {
@@ -279,7 +272,7 @@ inline std::vector<ExpertRows> expert_runs(const Routes& R, int64_t E, int64_t r
 constexpr int64_t kTokBlock = 64;  // tokens rows_times_tokens multiplies each pass of rows with
 struct Spans {
   bool runs = false;                   // items are runs of one expert's rows (expert_runs)
-  int64_t work_up = 0, work_down = 0;  // rows x tokens an item, phase 1 and 2, where runs
+  int64_t work_up = 0, work_down = 0;  // rows x tokens an item, phase 1 and 2, where runs (else 0)
 };
 inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
   int64_t most = 0;
@@ -2277,7 +2270,7 @@ void moe_kind(const MoeJob& j, float* op) {
   std::vector<float> act(P * inter);
   const int n_threads = at::get_num_threads();
   const Spans sp = moe_spans(R, E, inter, H, n_threads);
-  const std::vector<ExpertRows> items = sp.runs ? expert_runs(R, E, inter, sp.work_up) : expert_row_blocks(R, E, inter, 32);
+  const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
   for (int64_t it = 0; it < n_items; ++it) {
@@ -2469,7 +2462,7 @@ void moe_tile(const MoeJob& j, float* op) {
   for (int64_t e = 0; e < E; ++e)
     pack_tokens(xs.data() + R.offset[e], R.offset[e + 1] - R.offset[e], H, bp.data() + R.offset[e] * H / 2);
   std::vector<float> act(P * inter);
-  const std::vector<ExpertRows> items = expert_row_blocks(R, E, inter, 32);
+  const std::vector<ExpertRows> items = expert_runs(R, E, inter, 0);  // blocks of 32 rows
   const int n_threads = at::get_num_threads();
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items > 1)
