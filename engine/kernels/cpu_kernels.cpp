@@ -1251,6 +1251,81 @@ inline float dot_cache(const float* q, const C* k, int64_t d) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight fp32 lanes of cached keys or values (bf16: widened exactly).
+inline __m256 cache8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 cache8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Lane m = the sum of a[m]'s eight lanes.
+inline __m256 lane_sums8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// o[0:8 NV] = sum over j < n of p[j] V[j d + 0:8 NV]: NV independent accumulators, one FMA each per row,
+// added in row order (the order the scalar loop below adds in).
+template <int NV, typename C>
+inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, float* o) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const C* vj = V + j * d;
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, cache8(vj + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, acc[v]);
+}
+
+// One (sequence, KV head) of decode attention, d % 8 == 0: scores of 8 positions at a time, 8 independent
+// accumulators (one per position, reduced together by lane_sums8); then the softmax; then each head's
+// output in chunks of up to 64 lanes, accumulated in registers across the positions. The scalar loop
+// below chains one accumulator per dot product, bound by the FMA latency: medium preset (4 heads a KV
+// head, d = 64, 200 positions), one core of a 2-core AMD EPYC (AVX2): 13-20 -> 7-9 us an item.
+template <typename C>
+void attend_group(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
+                  float sc, float* og, float* w) {
+  const int64_t n = len - lo;
+  for (int64_t j0 = lo; j0 < len; j0 += 8) {
+    const C* kr[8];
+    for (int64_t jj = 0; jj < 8; ++jj) kr[jj] = K + std::min(j0 + jj, len - 1) * d;  // past len: repeats
+    const int64_t nb = std::min<int64_t>(8, len - j0);
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = qg + h * d;
+      __m256 acc[8];
+      for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + c);
+        for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_fmadd_ps(qv, cache8(kr[jj] + c), acc[jj]);
+      }
+      float s[8];
+      _mm256_storeu_ps(s, _mm256_mul_ps(lane_sums8(acc), _mm256_set1_ps(sc)));
+      std::copy(s, s + nb, w + h * n + (j0 - lo));
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* wh = w + h * n;
+    const float mx = *std::max_element(wh, wh + n);
+    const float inv = 1.f / exp_shifted(wh, n, mx);
+    for (int64_t j = 0; j < n; ++j) wh[j] *= inv;
+  }
+  const C* Vlo = V + lo * d;
+  for (int64_t h = 0; h < group; ++h) {
+    const float* p = w + h * n;
+    float* oh = og + h * d;
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) weighted_rows<8>(p, Vlo + c, n, d, oh + c);
+    if (c + 32 <= d) weighted_rows<4>(p, Vlo + c, n, d, oh + c), c += 32;
+    if (c + 16 <= d) weighted_rows<2>(p, Vlo + c, n, d, oh + c), c += 16;
+    if (c + 8 <= d) weighted_rows<1>(p, Vlo + c, n, d, oh + c);
+  }
+}
+#endif
+
 template <typename C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const int64_t* sp,
                            const int64_t* lp, int64_t window, float sc, at::Tensor& out) {
@@ -1271,6 +1346,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
     const float* qg = qp + (b * Hq + g * group) * d;  // the group's query heads, [group, d]
     float* og = op + (b * Hq + g * group) * d;
     std::vector<float> w(group * n);  // scores [group, n], then probabilities
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 8 == 0) {
+      attend_group(qg, K, V, group, d, lo, len, sc, og, w.data());
+      continue;
+    }
+#endif
     for (int64_t j = lo; j < len; ++j) {
       const C* kj = K + j * d;
       for (int64_t h = 0; h < group; ++h) w[h * n + j - lo] = dot_cache(qg + h * d, kj, d) * sc;

@@ -331,6 +331,28 @@ def test_decode_attention_reads_the_cache_in_place(window):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 8, 12])
+def test_decode_attention_matches_softmax_at_every_head_size(head_dim, dtype):
+    """Head sizes of 8 lanes and more (the vector path: 64, 128, one of 64 + 16, one of 8) and one that is
+    not a multiple of 8 (the scalar loop); groups of 1 to 6 query heads; lengths of 1, not a multiple of 8,
+    and the whole cache; with and without a window."""
+    g = torch.Generator().manual_seed(head_dim)
+    for group in (1, 4, 6):
+        for window in (0, 7):
+            kc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
+            vc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
+            q = torch.randn(3, 2 * group, head_dim, generator=g)
+            slots, lens = torch.tensor([2, 0, 1]), torch.tensor([300, 1, 13])
+            got = _ops().decode_attention(q, kc, vc, slots, lens, window, 0.3)
+            for b in range(3):
+                lo = max(0, int(lens[b]) - window) if window else 0
+                k = kc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
+                v = vc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
+                ref = torch.softmax(q[b][:, None, :] @ k.transpose(1, 2) * 0.3, dim=-1) @ v
+                torch.testing.assert_close(got[b], ref[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_writes_the_step_rows_as_indexing_would(dtype):
     """With k and v: the step's rows land at position lens-1 of each slot (rounded to the cache's dtype as
     .to() rounds), nothing else in the caches moves, and the attention sees them."""
