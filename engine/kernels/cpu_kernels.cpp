@@ -1591,8 +1591,9 @@ struct DecodeStack : torch::CustomClassHolder {
           y = at::add(y, at::mul(at::sigmoid(at::linear(h, l.shared_gate)), mlp_path(h, l.shared_w13, l.shared_w2,
                                                                                      dense_path, l.shared_s13,
                                                                                      l.shared_s2)));
-        ids_out.select(0, mi).copy_(ids);
-        gates_out.select(0, mi).copy_(gates);
+        // route's outputs are contiguous [T, k] int64 and fp32: plain copies (two torch copies cost ~10 us)
+        std::memcpy(ids_out.data_ptr<int64_t>() + mi * T * top_k, ids.data_ptr<int64_t>(), T * top_k * sizeof(int64_t));
+        std::memcpy(gates_out.data_ptr<float>() + mi * T * top_k, gates.data_ptr<float>(), T * top_k * sizeof(float));
         ++mi;
       } else {
         y = mlp_path(h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
