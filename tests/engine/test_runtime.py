@@ -8,7 +8,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.maker import make_model
 from engine.runner import run_workload
-from engine.runtime import Engine
+from engine.runtime import Engine, greedy_rows
 from workloads import Request, Workload
 
 
@@ -103,3 +103,24 @@ def test_quantized_experts_are_built_once_per_loaded_weights(bf16_dir):
     eng.reconfigure(int8.replace(hi_precision="int4", int4_group_size=32))
     assert eng.model.hybrid.handles[layer][0].fast.precision == "int4"
     assert len(eng.model.version_cache) == 2 * len(eng.spec.moe_layers) * eng.spec.n_experts
+
+
+def test_greedy_rows_picks_what_torch_argmax_picks():
+    """Ties (the first), NaN (counts as the largest), -inf rows, one row and many, a strided view, an
+    inference tensor; other dtypes take torch's argmax."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 1000, generator=g)
+    x[1, [5, 700]] = 50.0  # a tie: the first
+    x[2, 9] = float("nan")
+    x[2, 3] = float("nan")  # NaN wins, the first of them
+    x[3] = float("-inf")
+    x[4, 999] = float("inf")
+    cases = [x, x[:1], x[:, ::2], x.t().contiguous().t()]
+    with torch.inference_mode():
+        cases.append(x.clone())
+    for c in cases:
+        got = greedy_rows(c)
+        assert got.dtype == torch.int64 and torch.equal(got, c.argmax(dim=-1))
+    assert greedy_rows(x)[:5].tolist() == [int(x[0].argmax()), 5, 3, 0, 999]
+    b = x.bfloat16()
+    assert torch.equal(greedy_rows(b), b.argmax(dim=-1))
