@@ -445,7 +445,7 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, the first where several tie (a NaN counts as the largest), as
     ``logits.argmax(dim=-1)`` gives it. On the CPU NumPy's argmax gives the same indices ~10x faster: over a
     32000-token vocabulary, 2 threads, 83 -> 10 us for one row and 1.35 -> 0.12 ms for 32 rows (medians of
-    1000-3000 calls; PyTorch's CPU argmax takes ~40 ns a value)."""
+    1000-3000 calls: PyTorch's CPU argmax takes 1.3-2.6 ns a value, NumPy's 0.1-0.3)."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)

@@ -2302,8 +2302,8 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2), but in the MoE's runs of an expert's rows
   // (moe_kind passes far_tiles = 2) they were faster: AVX2, far rows to 2 tiles, 3 rounds, MoE medium at
   // 32 tokens (about 4 an expert) bf16 20.7 -> 22.1 GB/s, int8 q8 12.7 -> 14.3, at 8 tokens no different;
-  // lm head at 4 and 6 tokens 19.7 -> 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two go group by group in the tiles, far
-  // rows or not.
+  // lm head at 4 and 6 tokens 19.7 -> 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two
+  // go group by group in the tiles, far rows or not.
   if (KD != Kind::I4Q8 && n_tok <= far_tiles * max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
     in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
