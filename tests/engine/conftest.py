@@ -194,14 +194,15 @@ class EngineDriver:
 
 @pytest.fixture
 def open_engine() -> Callable[..., EngineDriver]:
-    """``open_engine(path, dtype=torch.float32, n_slots=4, max_len_tokens=256, initial_len_tokens=256)``."""
+    """``open_engine(path, dtype=torch.float32, n_slots=4, max_len_tokens=256, initial_len_tokens=256,
+    reserve=True)``: ``reserve=False`` makes the cache grow from ``initial_len_tokens`` positions."""
 
     def open_(path: Path, dtype: torch.dtype = torch.float32, n_slots: int = 4, max_len_tokens: int = 256,
-              initial_len_tokens: int = 256) -> EngineDriver:
+              initial_len_tokens: int = 256, reserve: bool = True) -> EngineDriver:
         ckpt = Checkpoint(path)
         decoder = MoEDecoder(ckpt, dtype, torch.device("cpu"))
         cache = KVCache(ckpt.spec, n_slots, max_len_tokens, dtype, torch.device("cpu"),
-                        initial_len=initial_len_tokens)
+                        initial_len=initial_len_tokens, reserve=reserve)
         return EngineDriver(decoder, cache)
 
     return open_
