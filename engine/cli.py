@@ -471,9 +471,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         res = evaluate_llama(engine, args.llama, prompts)
         print(f"quality of llama.cpp on {res['gguf']} ({args.llama}) against {engine.model_path}'s fp32 reference "
               f"({res['prompts']} prompts, {res['positions']} positions):")
-        print(f"  next-token top-1 agreement {res['top1_agreement']:.4f}   mean KL {res['mean_kl']:.3e}")
+        print(f"  next-token top-1 agreement {res['top1_agreement']:.4f}   mean KL {res['mean_kl']:.3e}   "
+              f"(llama.cpp's extra buffer types {res['extra_buffer_types']})")
         if args.json:
-            print(json.dumps({**res, "provenance": {"system": "llama.cpp", "gguf": args.llama}}))
+            print(json.dumps({**res, "provenance": {"system": "llama.cpp", "gguf": args.llama,
+                                                    "extra_buffer_types": res["extra_buffer_types"]}}))
         return 0
     res = evaluate(engine, prompts, text_file=args.text)
     res["config_hash"] = engine.config.config_hash()

@@ -130,7 +130,9 @@ class _System:
             from engine.model.checkpoint import Checkpoint
 
             self.gguf = gguf_file(path, Checkpoint(path).fingerprint(), LLAMA_SYSTEMS[name])
-            self.llama = llama_cpp.LlamaCppProcess(self.gguf, max_batch, ctx_len, threads)  # its own OpenMP waits
+            extra, self.extra_buffer_types = llama_cpp.extra_buffer_types(self.gguf, max_batch, threads)
+            self.llama = llama_cpp.LlamaCppProcess(self.gguf, max_batch, ctx_len, threads,  # its own OpenMP waits
+                                                   extra_buffer_types=extra)
         self.load_s = time.perf_counter() - t
 
     def run(self, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
@@ -153,7 +155,7 @@ class _System:
         if self.hf is not None:
             return {"dtype": str(self.hf.dtype).replace("torch.", ""), "transformers": _version("transformers")}
         return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python"),
-                "openmp_waits": self.llama.openmp}
+                "openmp_waits": self.llama.openmp, "extra_buffer_types": self.extra_buffer_types}
 
     def close(self) -> None:
         if self.llama is not None:

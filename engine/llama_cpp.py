@@ -17,10 +17,12 @@ batch and decodes them together, greedy, with llama.cpp's own threads (``n_threa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -175,15 +177,21 @@ def _quiet(lc: Any) -> None:
 
 class LlamaCpp:
     """One GGUF model in llama.cpp, run through llama-cpp-python's low-level API: B prompts prefilled as B
-    sequences of one batch, then decoded together, greedy (argmax of the logits)."""
+    sequences of one batch, then decoded together, greedy (argmax of the logits). ``extra_buffer_types=False``
+    keeps llama.cpp's weights in its plain CPU layout (see :func:`extra_buffer_types`)."""
 
-    def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int):
+    def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int,
+                 extra_buffer_types: bool = True):
         import llama_cpp as lc
 
         self.lc = lc
         _quiet(lc)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
+        if not extra_buffer_types:
+            if not hasattr(mp, "use_extra_bufts"):
+                raise RuntimeError(f"llama-cpp-python {_version()} cannot turn off llama.cpp's extra buffer types")
+            mp.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
@@ -294,14 +302,21 @@ def own_environment() -> tuple[dict[str, str], str]:
     return env, f"libgomp default (GOMP_SPINCOUNT={LIBGOMP_DEFAULT_SPIN_COUNT})"
 
 
+class LlamaCppCrashed(RuntimeError):
+    """The llama.cpp child process died on a signal."""
+
+
 class LlamaCppProcess:
     """:class:`LlamaCpp` in a child process with llama.cpp's own OpenMP settings (:func:`own_environment`):
-    the same ``generate``, timed in the child; one JSON line each way per call."""
+    the same ``generate``, timed in the child; one JSON line each way per call. A child that dies on a
+    signal raises :class:`LlamaCppCrashed`."""
 
-    def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int):
+    def __init__(self, gguf_path: str | Path, n_seqs: int, n_ctx_per_seq: int, threads: int,
+                 extra_buffer_types: bool = True):
         env, self.openmp = own_environment()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.llama_cpp", str(gguf_path), str(n_seqs), str(n_ctx_per_seq), str(threads)],
+            [sys.executable, "-m", "engine.llama_cpp", str(gguf_path), str(n_seqs), str(n_ctx_per_seq), str(threads),
+             "1" if extra_buffer_types else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             self._reply()
@@ -312,27 +327,75 @@ class LlamaCppProcess:
     def _reply(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the llama.cpp process exited with status {self.proc.wait()}")
+            status = self.proc.wait()
+            if status < 0:
+                raise LlamaCppCrashed(f"the llama.cpp process died on signal {-status} ({_signal_name(-status)})")
+            raise RuntimeError(f"the llama.cpp process exited with status {status}")
         msg = json.loads(line)
         if "error" in msg:
             raise RuntimeError(msg["error"])
         return msg
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
-        self.proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # a child that is gone: _reply says how it ended
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+            self.proc.stdin.flush()
         msg = self._reply()
         return msg["prefill_s"], msg["steps"], msg["out"]
 
     def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()  # the child's end of input: it frees the model and exits
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self.proc.stdout.close()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama_cpp_python")
+    except PackageNotFoundError:
+        return "?"
+
+
+_EXTRA_BUFFER_TYPES: dict[tuple[str, int, int], tuple[bool, str]] = {}
+
+
+def extra_buffer_types(gguf_path: str | Path, n_seqs: int, threads: int) -> tuple[bool, str]:
+    """Whether llama.cpp runs ``gguf_path`` here with its extra buffer types, and what results record.
+
+    Its extra buffer types hold weights in layouts for the CPU's own paths: on x86, AMX tiles (on CPUs with
+    AMX) and repacked Q4_0/Q8_0 blocks. On an AMX CPU (Xeon, AVX-512 with AMX_INT8, 2026-12-04) the AMX one
+    killed llama.cpp 0.3.36 (llama-cpp-python) with SIGSEGV on its first Q8_0 product, inside the process
+    that loaded it; llama.cpp issue 20824 reports the same crash in ``ggml_backend_amx_mul_mat``. So a
+    child process first runs one batch of ``n_seqs`` 16-token prompts and 3 new tokens with them; where it
+    dies on a signal, llama.cpp runs without them (its weights as stored, its plain AVX-512 / AVX2
+    products), and the label says so. Once per process per file, batch size and thread count."""
+    key = (str(gguf_path), n_seqs, threads)
+    if key not in _EXTRA_BUFFER_TYPES:
+        probe = LlamaCppProcess(gguf_path, n_seqs, 24, threads)
+        try:
+            probe.generate([[3 + (i + j) % 64 for j in range(16)] for i in range(n_seqs)], 3)
+            _EXTRA_BUFFER_TYPES[key] = (True, "on")
+        except LlamaCppCrashed as e:
+            log.warning("llama.cpp: %s with its extra buffer types on %s; running it without them", e, gguf_path)
+            _EXTRA_BUFFER_TYPES[key] = (False, f"off: with them {e} at batch {n_seqs}")
+        finally:
+            probe.close()
+    return _EXTRA_BUFFER_TYPES[key]
 
 
 def _child(argv: list[str]) -> int:
@@ -346,7 +409,7 @@ def _child(argv: list[str]) -> int:
         out.flush()
 
     try:
-        runner = LlamaCpp(argv[0], int(argv[1]), int(argv[2]), int(argv[3]))
+        runner = LlamaCpp(argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4:] != ["0"])
     except Exception as e:  # noqa: BLE001 - reported to the parent, which names the system and goes on
         reply({"error": f"{type(e).__name__}: {e}"})
         return 1

@@ -102,7 +102,8 @@ def evaluate_llama(engine: Engine, kind: str, prompts: list[list[int]] | None = 
     engine.reconfigure(reference_config(cand_cfg))
     ref = [prompt_logits(engine, p) for p in prompts]
     engine.reconfigure(cand_cfg)
-    runner = llama_cpp.LlamaCpp(path, 1, max(len(p) for p in prompts) + 1, torch.get_num_threads())
+    extra, label = llama_cpp.extra_buffer_types(path, 1, torch.get_num_threads())
+    runner = llama_cpp.LlamaCpp(path, 1, max(len(p) for p in prompts) + 1, torch.get_num_threads(), extra)
     try:
         cand = [runner.prompt_logits(p) for p in prompts]
     finally:
@@ -110,6 +111,7 @@ def evaluate_llama(engine: Engine, kind: str, prompts: list[list[int]] | None = 
     out = compare_logits(ref, cand)
     out["prompts"] = len(prompts)
     out["gguf"] = str(path)
+    out["extra_buffer_types"] = label
     return out
 
 
