@@ -1815,9 +1815,7 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
 // about (buffers x 64 B) / latency; L2 tracks several times as many misses. Medium-preset MoE layer (bf16
 // weights, 8 of 64 experts a token), AVX512_BF16 EPYC, 2 threads, GB/s at 1 / 4 / 32 tokens, medians of
 // 5 interleaved processes, L1 -> L2: f32 mode 15.6 / 14.3 / 12.3 -> 26.3 / 23.6 / 17.6, bf16dp 14.6 /
-// 14.9 / 13.5 -> 19.7 / 19.1 / 18.0. One stream needed 4 KB ahead (kRowAhead: bf16dp's one-row
-// product); several streams take a row ahead.
-constexpr int64_t kRowAhead = 4096;
+// 14.9 / 13.5 -> 19.7 / 19.1 / 18.0. One stream needed 4 KB ahead; several streams take a row ahead.
 
 // Rows [r0, r1) of a product as kStreams streams: many(r, h) computes rows r, r + h, ...,
 // r + (kStreams - 1) h; one(r) the rows left over.
@@ -2106,26 +2104,6 @@ inline void dots_i4q8_scalar(const uint8_t* const* w, const uint16_t* const* sc,
 #endif
 
 #if MT_ISA >= MT_AVX512BF16
-// One token in bf16dp mode: the row as one stream, as the f32 mode once read it (four accumulators along the row,
-// prefetched kRowAhead ahead into L2); the same products as dots_bf16dp, summed in another order. K % 32 == 0.
-inline float dot_row_bf16dp(const uint16_t* w, const uint16_t* x, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  int64_t k = 0;
-  auto dp = [&](__m512 a, int64_t i) {
-    return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
-  };
-  for (; k + 128 <= K; k += 128) {
-    for (int64_t b = 0; b < 128; b += 32)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + k + b) + kRowAhead, 0, kPrefetchL2);
-    a0 = dp(a0, k);
-    a1 = dp(a1, k + 32);
-    a2 = dp(a2, k + 64);
-    a3 = dp(a3, k + 96);
-  }
-  for (; k < K; k += 32) a0 = dp(a0, k);
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-
 // bf16 weights x bf16-rounded activations: vdpbf16ps, 32 products per instruction into 16 fp32 lanes.
 template <int NR, int NT>
 inline void dots_bf16dp(const uint16_t* const* w, const Act* x, int64_t K, int64_t ahead, float* s) {
@@ -2285,16 +2263,10 @@ inline void row_block(const Mat& m, int64_t r, int64_t step, const Act* x, int64
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
                        Sink& sink, int far_tiles = 1) {
-#if MT_ISA >= MT_AVX512BF16
-  if constexpr (KD == Kind::Bf16Dp) {
-    if (n_tok == 1) {
-      for (int64_t r = r0; r < r1; ++r)
-        sink(r, 0, dot_row_bf16dp(static_cast<const uint16_t*>(m.w) + r * m.ld, x[0].b, K));
-      return;
-    }
-  }
-#endif
-  // One tile of tokens (one token too): its 4 rows far apart, as 4 streams (in_streams). At 2-3 tokens,
+  // One tile of tokens (one token too): its 4 rows far apart, as 4 streams (in_streams). bf16dp read one token's
+  // rows as one stream until 2026-12-04: 4 streams took a 32000 x 1024 product at one token from 23.2-23.4 to
+  // 26.3 GB/s (2-core Xeon with AMX, 2 runs) and a batch-1 decode from 47.3 / 45.3 / 44.0 to 50.6 / 48.4 /
+  // 46.2 tok/s (3 paired runs, medians of 3; the same tokens). At 2-3 tokens,
   // `kernel_ops_bench.py`, 5 rounds (3 at 3 tokens), bf16: lm head 19.0 -> 27.3 GB/s at 2 tokens, 19.5 ->
   // 23.2 at 3; projection 16.6 -> 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the
   // rest unchanged. Not int4: its products are bound by arithmetic, and far rows measured no faster (MoE
