@@ -14,6 +14,8 @@ cache directory: :mod:`engine.llama_cpp`):
   extra: left out, and said so, where it is not installed), in a process of its own, where its OpenMP
   threads wait as they do when users run it (libgomp's default; the engine's process spins 1,000 times
   and sleeps: :class:`engine.llama_cpp.LlamaCppProcess`). Each system records how its threads wait.
+  Where llama.cpp dies on its extra buffer types (its AMX weights did, on an AMX Xeon), it runs without
+  them and says so (``extra_buffer_types``: :func:`engine.llama_cpp.extra_buffer_types`).
 
 For each batch size B: B prompts are prefilled (prefill tokens/s: the first token's time) and decoded
 together (decode tokens/s: the median step), ``repeats`` times. Systems run one at a time (loaded,
