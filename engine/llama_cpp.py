@@ -386,15 +386,17 @@ def extra_buffer_types(gguf_path: str | Path, n_seqs: int, threads: int) -> tupl
     products), and the label says so. Once per process per file, batch size and thread count."""
     key = (str(gguf_path), n_seqs, threads)
     if key not in _EXTRA_BUFFER_TYPES:
-        probe = LlamaCppProcess(gguf_path, n_seqs, 24, threads)
+        probe = None
         try:
+            probe = LlamaCppProcess(gguf_path, n_seqs, 24, threads)  # a crash while loading counts too
             probe.generate([[3 + (i + j) % 64 for j in range(16)] for i in range(n_seqs)], 3)
             _EXTRA_BUFFER_TYPES[key] = (True, "on")
         except LlamaCppCrashed as e:
             log.warning("llama.cpp: %s with its extra buffer types on %s; running it without them", e, gguf_path)
             _EXTRA_BUFFER_TYPES[key] = (False, f"off: with them {e} at batch {n_seqs}")
         finally:
-            probe.close()
+            if probe is not None:
+                probe.close()
     return _EXTRA_BUFFER_TYPES[key]
 
 

@@ -263,10 +263,11 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
     Per precision: one native arithmetic for every token count (so that a result does not depend on how a
     step's tokens are split: a mode, or modes that compute alike, :data:`ARITHMETIC`), the one with the
     smallest geometric-mean slowdown against the fastest native path over the points; then per point the
-    fastest of its paths and of PyTorch's. (On a 2-core Xeon with AMX, 2026-12-04, AMX tiles were 4x
-    vdpbf16ps from 16 tokens on, but 27 % slower at one token, where a batch-1 decode ran 31.9 -> 42.3 tok/s
-    on vdpbf16ps: one arithmetic with both modes in it takes each where it is fastest.) int4 is all-native or all-PyTorch (the two read different layouts), decided at one
-    token (decode). ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
+    fastest of its paths and of PyTorch's. (On a 2-core Xeon with AMX, 2026-12-04, AMX tiles were 3-4x
+    vdpbf16ps from 16 tokens on, but 27 % slower at one token, where a batch-1 decode ran 31.9 -> 42.3
+    tok/s on vdpbf16ps: one arithmetic with both modes in it takes each where it is fastest.) int4 is
+    all-native or all-PyTorch (the two read different layouts), decided at one token (decode).
+    ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
     """
     bounds = _boundaries(points)
     table: dict[str, dict[str, object]] = {}
