@@ -2269,14 +2269,16 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   // 46.2 tok/s (3 paired runs, medians of 3; the same tokens). At 2-3 tokens,
   // `kernel_ops_bench.py`, 5 rounds (3 at 3 tokens), bf16: lm head 19.0 -> 27.3 GB/s at 2 tokens, 19.5 ->
   // 23.2 at 3; projection 16.6 -> 20.4, 15.0 -> 18.3; int8 q8 at 2 tokens: projection 12.7 -> 14.9, the
-  // rest unchanged. Not int4: its products are bound by arithmetic, and far rows measured no faster (MoE
-  // medium at 1 token 12.6 -> 11.8). Nor more tokens: at 4 and 8 tokens (several tiles a row block) far
-  // rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2), but in the MoE's runs of an expert's rows
+  // rest unchanged. int4 too since 2026-12-04 (it had measured no faster on the AVX2 EPYC, MoE medium at 1
+  // token 12.6 -> 11.8 GB/s): on the AMX Xeon, whose int4 products at 1-2 tokens take the 256-bit avx_vnni
+  // variant, int4 experts' batch-1 decode ran 65.7 / 59.4 / 63.3 -> 67.9 / 68.2 / 70.3 tok/s (3 paired
+  // runs, medians of 3, the same tokens); batch 32 299.9 / 313.2 -> 313.8 / 289.1 (no change). Nor more
+  // tokens: at 4 and 8 tokens (several tiles a row block) far rows were slower (lm head 19.9 -> 17.5, 12.6 -> 10.2), but in the MoE's runs of an expert's rows
   // (moe_kind passes far_tiles = 2) they were faster: AVX2, far rows to 2 tiles, 3 rounds, MoE medium at
   // 32 tokens (about 4 an expert) bf16 20.7 -> 22.1 GB/s, int8 q8 12.7 -> 14.3, at 8 tokens no different;
   // lm head at 4 and 6 tokens 19.7 -> 16.4, 13.0 -> 11.0 again. int8 groups that are not powers of two
   // go group by group in the tiles, far rows or not.
-  if (KD != Kind::I4Q8 && n_tok <= far_tiles * max_tokens<KD>()) {
+  if (n_tok <= far_tiles * max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
     in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
                [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); });
