@@ -190,7 +190,8 @@ class LlamaCpp:
         mp = lc.llama_model_default_params()
         if not extra_buffer_types:
             if not hasattr(mp, "use_extra_bufts"):
-                raise RuntimeError(f"llama-cpp-python {_version()} cannot turn off llama.cpp's extra buffer types")
+                raise RuntimeError(f"llama-cpp-python {getattr(lc, '__version__', '?')} cannot turn off llama.cpp's "
+                                   "extra buffer types")
             mp.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mp)
         if not self.model:
@@ -360,15 +361,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return "unknown signal"
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("llama_cpp_python")
-    except PackageNotFoundError:
-        return "?"
 
 
 _EXTRA_BUFFER_TYPES: dict[tuple[str, int, int], tuple[bool, str]] = {}

@@ -132,7 +132,7 @@ class KVCache:
         if not hasattr(mmap, "MAP_PRIVATE"):
             return False
         shape = self._shape(self.max_len)
-        nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+        nbytes = math.prod(shape) * self.dtype.itemsize
         k, v = [], []
         try:
             for _ in range(self.spec.n_layers):
