@@ -194,7 +194,7 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
-_KERNEL_PATHS_VERSION = 3  # of the measurement below: a change re-measures
+_KERNEL_PATHS_VERSION = 4  # of the measurement below: a change re-measures
 _KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
 
 
@@ -208,19 +208,24 @@ def kernel_paths() -> dict[str, Any]:
         raise RuntimeError(f"kernel paths: the native kernels are unavailable ({kernels.status()['error']})")
     build = Path(str(kernels.status()["library"])).parent.name
     got = cached(f"kernel_paths:v{_KERNEL_PATHS_VERSION}:{build}", _measure_kernel_paths)
-    got = {**got, "table": _path_table(got["times_s"])}  # chosen again: a cache keeps the times, not the rule
+    got = {**got, "table": _path_table(got["times_s"], got["cold_times_s"])}  # chosen again: a cache keeps the times, not the rule
     log.info("kernel paths on this CPU: %s", got["table"])
     return got
 
 
-def _path_table(times: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, object]]:
-    """:func:`engine.kernels.choose_paths` over the candidates among ``times`` (which also holds paths timed
-    for the compute roofline only)."""
+def _path_table(times: dict[str, dict[str, dict[str, float]]],
+                cold: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, object]]:
+    """:func:`engine.kernels.choose_paths` over the candidates among ``times`` and the ``cold`` ones (which
+    also hold paths timed for the compute roofline only)."""
     from engine import kernels
 
     runnable, amx = kernels.variants()["runnable"], kernels.amx_present()
-    return kernels.choose_paths({prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
-                                 for prec, by in times.items() if prec in kernels.PRECISIONS})
+
+    def candidates(by_prec: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+        return {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
+                for prec, by in by_prec.items() if prec in kernels.PRECISIONS}
+
+    return kernels.choose_paths(candidates(times), cold_s=candidates(cold))
 
 
 def _measure_kernel_paths() -> dict[str, Any]:
@@ -238,6 +243,15 @@ def _measure_kernel_paths() -> dict[str, Any]:
     int8 = [quant.quantize(w, "int8") for w in base]
     int4_native = [quant.quantize(w, "int4", group, native=True) for w in base]
     int4_torch = [quant.quantize(w, "int4", group) for w in base]
+
+    def read(prec: str, p: str, i: int) -> list[torch.Tensor]:
+        """The tensors path ``p`` reads for matrix ``i``: what is evicted before a cold call."""
+        if prec in half:
+            return [half[prec][i]]
+        if prec == "fp32":
+            return [full[i % len(full)]]
+        q = int8[i] if prec == "int8" else (int4_torch[i] if p == "torch:quant" else int4_native[i])
+        return [t for t in (q.data, q.scales) if t is not None and t.is_contiguous()]
 
     def runner(prec: str, p: str):
         if prec in half:
@@ -260,28 +274,38 @@ def _measure_kernel_paths() -> dict[str, Any]:
     cands["fp32"] = {"torch:fp32": lambda x, xb, i: F.linear(x, full[i % len(full)])}
     if "torch:bf16" not in cands["bf16"]:
         cands["bf16"]["torch:bf16"] = runner("bf16", "torch:bf16")
+    # Two times per path and token count, the best call of 5 interleaved rounds (the machine may be shared):
+    # with the weights cycled through a pool (which a large last-level cache may hold), and cold, the
+    # weights evicted from the caches before each call, as decode reads them from memory. The table takes
+    # both (kernels.choose_paths); the compute peaks come from the first.
     times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
+    cold_times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
     t0 = time.perf_counter()
     for n_tok in kernels.TOKEN_POINTS:
         x = torch.randn(n_tok, k, generator=g)
         xb = x.bfloat16()
         reps = max(2, 64 // n_tok)
-        best = {(prec, p): float("inf") for prec, ps in cands.items() for p in ps}
+        best = {(prec, p, cold): float("inf") for prec, ps in cands.items() for p in ps for cold in (False, True)}
         for ps in cands.values():
             for f in ps.values():
                 f(x, xb, 0)  # warm-up (and the first call's allocations)
-        for _ in range(5):  # interleaved rounds; the best single call of each: the machine may be shared
+        for _ in range(5):
             for prec, ps in cands.items():
                 for p, f in ps.items():
-                    for i in range(reps):
-                        t = time.perf_counter()
-                        f(x, xb, i % _KERNEL_POOL)
-                        best[(prec, p)] = min(best[(prec, p)], time.perf_counter() - t)
-        for (prec, p), v in best.items():
-            times[prec][p][str(n_tok)] = v
+                    for cold in (False, True):
+                        for i in range(reps):
+                            j = i % _KERNEL_POOL
+                            if cold:
+                                for w in read(prec, p, j):
+                                    ops.evict(w)
+                            t = time.perf_counter()
+                            f(x, xb, j)
+                            best[(prec, p, cold)] = min(best[(prec, p, cold)], time.perf_counter() - t)
+        for (prec, p, cold), v in best.items():
+            (cold_times if cold else times)[prec][p][str(n_tok)] = v
     flop = {str(t): 2.0 * t * n * k for t in kernels.TOKEN_POINTS}
     peaks = {prec: {p: max(flop[t] / v for t, v in ts.items()) / 1e9 for p, ts in by.items()}
              for prec, by in times.items()}
     log.info("measured the kernel paths in %.1f s", time.perf_counter() - t0)
     return {"shape": [n, k], "group_size": group, "points": list(kernels.TOKEN_POINTS), "threads": torch.get_num_threads(),
-            "times_s": times, "peak_gflops": peaks, "table": _path_table(times)}
+            "times_s": times, "cold_times_s": cold_times, "peak_gflops": peaks, "table": _path_table(times, cold_times)}

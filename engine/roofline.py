@@ -107,8 +107,14 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
     else:
         dense_path = _path(engine, _PRECISION.get(engine.model.weight_dtype, "fp32"), tokens)
     per_expert = tokens * spec.top_k / max(1e-9, experts_touched)
+    expert_path = _path(engine, mb["expert_precision"], per_expert)
+    from engine import kernels
+
+    prec = mb["expert_precision"]
+    if engine.model.native and spec.n_experts and prec in kernels.PRECISIONS and kernels.fused_moe(prec, per_expert):
+        expert_path = f"{prec}/{kernels.moe_path(prec, per_expert, spec.hidden_size, spec.expert_intermediate)}"
     return StepCost(tokens, weight_bytes, kv_bytes, flop_dense, flop_experts, flop_attention,
-                    dense_path, _path(engine, mb["expert_precision"], per_expert))
+                    dense_path, expert_path)
 
 
 def peak_gflops(path: str) -> float | None:
@@ -117,6 +123,7 @@ def peak_gflops(path: str) -> float | None:
 
     rep = kernels.dispatch_report()
     prec, p = path.split("/", 1)
+    p = p.split("/")[0]  # a MoE's "variant:tile/N" (kernels.moe_path): the tiles' peak, the higher
     peaks = rep.get("peak_gflops", {}) if rep.get("available") else {}
     return peaks.get(prec, {}).get(p)  # type: ignore[union-attr]
 

@@ -52,6 +52,8 @@
 //   isa() -> the default variant; variants() -> (compiled, runnable here); set_isa(name | "auto");
 //   cpu_features() -> what CPUID/XGETBV report (avx2, avx512_bf16, amx_tile, ...)
 //   stream_read(buf f32) -> the sum of buf, read as decode products read weights (kStreams a thread)
+//   evict(t) -> t's bytes flushed from the caches (x86: true), so that the kernel paths are timed on
+//     weights read from memory, as decode reads them
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
 // calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
@@ -227,6 +229,7 @@ struct Routes {
 struct MoeJob {
   std::vector<Mat> w13, w2;  // per expert (w == nullptr: no weights)
   int64_t T = 0, H = 0, inter = 0, G = 0;
+  int64_t small = 0;           // tile mode: experts with at most this many tokens take vdpbf16ps (Path)
   const Act* hacts = nullptr;  // per token, prepared for the kind
   const Routes* routes = nullptr;
 };
@@ -563,6 +566,7 @@ enum class Fmt { F32, Bf16, F16, I8, I4 };
 struct Path {
   int variant;
   Kind kind;
+  int64_t small = 0;  // tile mode, MoE: experts routed at most this many tokens take vdpbf16ps ("tile/8")
 };
 
 const char* fmt_name(Fmt f) {
@@ -586,6 +590,14 @@ Path parse_path(const std::string& path, Fmt fmt) {
   }
   Path p{var.empty() ? default_variant() : variant_index(var), Kind::Bf16F32};
   if (mode.empty()) mode = fmt == Fmt::I4 ? "q8" : "f32";
+  const auto slash = mode.find('/');
+  if (slash != std::string::npos && mode.substr(0, slash) == "tile") {
+    const std::string n = mode.substr(slash + 1);
+    TORCH_CHECK(!n.empty() && n.size() < 10 && n.find_first_not_of("0123456789") == std::string::npos,
+                "moetune: path '", path, "': expected tile/<tokens>, got '", mode, "'");
+    p.small = std::stoll(n);
+    mode = "tile";
+  }
   bool ok = true;
   if (fmt == Fmt::Bf16 && mode == "f32") p.kind = Kind::Bf16F32;
   else if (fmt == Fmt::Bf16 && mode == "bf16dp") p.kind = Kind::Bf16Dp;
@@ -955,6 +967,7 @@ at::Tensor run_moe(const at::Tensor& h, MoeJob& job, const Path& p, const at::Te
   prepare(h.data_ptr<float>(), job.T, job.H, p.kind, job.G, hp);
   job.hacts = hp.acts.data();
   job.routes = &routes;
+  job.small = p.small;
   at::Tensor out = at::zeros({job.T, job.H}, h.options());
   bool done = false;
   for (int v = p.variant; v >= 0 && !done; v = all_variants()[v].fallback)
@@ -1666,6 +1679,23 @@ double stream_read(const at::Tensor& buf) {
   return total;
 }
 
+// Flush t's bytes out of every cache level (clflush a line), so that the next read of t comes from memory,
+// as a decode step reads its weights. True where done (x86); false elsewhere (the read may be a cache's).
+bool evict(const at::Tensor& t) {
+#if MT_X86
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "moetune::evict: a contiguous CPU tensor expected");
+  const char* p = static_cast<const char*>(t.data_ptr());
+  const int64_t n = t.numel() * t.element_size();
+  for (int64_t i = 0; i < n; i += 64) _mm_clflush(p + i);
+  if (n > 0) _mm_clflush(p + n - 1);
+  _mm_mfence();
+  return true;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 }  // namespace mt
 
 TORCH_LIBRARY(moetune, m) {
@@ -1692,6 +1722,7 @@ TORCH_LIBRARY(moetune, m) {
   m.def("decode_attention(Tensor q, Tensor(a!) kc, Tensor(b!) vc, Tensor slots, Tensor lens, int window, "
         "float scale, Tensor? k=None, Tensor? v=None) -> Tensor", &decode_attention);
   m.def("stream_read(Tensor buf) -> float", &stream_read);
+  m.def("evict(Tensor t) -> bool", &evict);
   m.def("isa() -> str", &isa);
   m.def("variants() -> (str[], str[])", &variants);
   m.def("set_isa(str name) -> ()", &set_isa);
@@ -2227,7 +2258,7 @@ inline void tile_dots(const Mat& m, int64_t r, int64_t step, const Act* x, int64
     dots_i4q8_scalar<NR, NT>(w, sc, m.n_pad, x, K, G, s);
 #endif
   } else {
-#if MT_ISA == MT_AVX512BF16
+#if MT_ISA >= MT_AVX512BF16
     const uint16_t* w[NR];
     for (int i = 0; i < NR; ++i) w[i] = static_cast<const uint16_t*>(m.w) + (r + i * step) * m.ld;
     dots_bf16dp<NR, NT>(w, x, K, ahead, s);
@@ -2454,6 +2485,20 @@ inline void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, 
   __asm__ volatile("" ::: "memory");  // and c is read only after the stores
 }
 
+// Column t of a stored 16 x 16 C tile (row i at c + 16 i): the 16 rows' dots with token t.
+inline __m512 tile_column(const float* c, int t) {
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  return _mm512_i32gather_ps(rows, c + t, 4);
+}
+
+// A put (tile_rows) that stores token t0 + t's 16 dots at out + (t0 + t) * ld + r, plus add (16 values)
+// where given: a vector a token, not a scalar store a dot (a MoE layer at 16 tokens an expert, from memory:
+// 11.2 -> 13.8 GB/s).
+inline void put_columns(float* out, int64_t ld, int64_t r, int64_t t0, int ng, const float* c, const float* add) {
+  const __m512 b = add ? _mm512_loadu_ps(add) : _mm512_setzero_ps();
+  for (int t = 0; t < ng; ++t) _mm512_storeu_ps(out + (t0 + t) * ld + r, _mm512_add_ps(tile_column(c, t), b));
+}
+
 inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32)
@@ -2461,12 +2506,13 @@ inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// sink(row, token, dot) for rows [r0, r1) of the bf16 weight m and n tokens (bf16 rows x[t].b, packed
-// as B tiles at bp): 32 tokens and 32 rows a tile block, then 16 rows; the last rows (fewer than 16)
-// by vdpbf16ps.
-template <typename Sink>
+// The dots of rows [r0, r1) of the bf16 weight m and n tokens (bf16 rows x[t].b, packed as B tiles at
+// bp): 32 tokens and 32 rows a tile block, then 16 rows, each 16 rows' C tile handed to put(row, first
+// token, tokens, c) (c[i * 16 + t]: row + i, token + t); the last rows (fewer than 16) by vdpbf16ps, each
+// dot to sink(row, token, dot).
+template <typename Sink, typename Put>
 void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_t* bp, int64_t n, int64_t K,
-               TileState& ts, Sink& sink) {
+               TileState& ts, Sink& sink, Put& put) {
   const uint16_t* w = static_cast<const uint16_t*>(m.w);
   alignas(64) float c[4 * 256];
   for (int64_t t0 = 0; t0 < n; t0 += 32) {
@@ -2477,9 +2523,7 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
     const int ng[2] = {na, nb};
     auto emit = [&](int64_t r, int nr) {
       for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
-        for (int h = 0; h < nr; ++h)
-          for (int i = 0; i < 16; ++i)
-            for (int t = 0; t < ng[g]; ++t) sink(r + 16 * h + i, t0 + 16 * g + t, c[(g * 2 + h) * 256 + i * 16 + t]);
+        for (int h = 0; h < nr; ++h) put(r + 16 * h, t0 + 16 * g, ng[g], c + (g * 2 + h) * 256);
     };
     int64_t r = r0;
     for (; r + 32 <= r1; r += 32) {
@@ -2502,13 +2546,15 @@ void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, co
   std::vector<uint32_t> bp(T * K / 2);
   pack_tokens(x, T, K, bp.data());
   auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
+  auto put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_columns(y, N, r, t0, ng, c, bias ? bias + r : nullptr); };
   parallel_chunks(N, 64, [&](int64_t r0, int64_t r1) {
     TileState ts;
-    tile_rows(m, r0, r1, x, bp.data(), T, K, ts, sink);
+    tile_rows(m, r0, r1, x, bp.data(), T, K, ts, sink, put);
   });
 }
 
-// moe_kind's two phases on tiles; each expert's tokens are packed once per phase.
+// moe_kind's two phases on tiles, split among threads as moe_kind splits them (Spans); each expert's tokens
+// are packed once per phase.
 void moe_tile(const MoeJob& j, float* op) {
   const Routes& R = *j.routes;
   const int64_t P = R.P, H = j.H, inter = j.inter, E = static_cast<int64_t>(j.w13.size());
@@ -2518,8 +2564,9 @@ void moe_tile(const MoeJob& j, float* op) {
   for (int64_t e = 0; e < E; ++e)
     pack_tokens(xs.data() + R.offset[e], R.offset[e + 1] - R.offset[e], H, bp.data() + R.offset[e] * H / 2);
   std::vector<float> act(P * inter);
-  const std::vector<ExpertRows> items = expert_runs(R, E, inter, 0);  // blocks of 32 rows
   const int n_threads = at::get_num_threads();
+  const Spans sp = moe_spans(R, E, inter, H, n_threads);
+  const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
   const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items > 1)
   {
@@ -2531,9 +2578,25 @@ void moe_tile(const MoeJob& j, float* op) {
       const uint32_t* b = bp.data() + p0 * H / 2;
       std::vector<float> g(rows * n), u(rows * n);
       auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
-      tile_rows(j.w13[item.e], item.r0, item.r1, xs.data() + p0, b, n, H, ts, gate_sink);
       auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
-      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink);
+      if (n <= j.small) {  // few tokens: vdpbf16ps streams the rows faster than the tiles (MoeJob::small)
+        rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, 0, gate_sink, 2);
+        rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, 0,
+                                        up_sink, 2);
+        store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+        continue;
+      }
+      auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
+        const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
+        for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(g.data() + (r - item.r0 + i) * n + t0, k, _mm512_load_ps(c + 16 * i));
+      };
+      tile_rows(j.w13[item.e], item.r0, item.r1, xs.data() + p0, b, n, H, ts, gate_sink, gate_put);
+      auto up_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
+        const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
+        for (int i = 0; i < 16; ++i)
+          _mm512_mask_storeu_ps(u.data() + (r - inter - item.r0 + i) * n + t0, k, _mm512_load_ps(c + 16 * i));
+      };
+      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put);
       store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
     }
   }
@@ -2541,13 +2604,49 @@ void moe_tile(const MoeJob& j, float* op) {
   prepare(act.data(), P, inter, Kind::Bf16Tile, 0, as);
   for (int64_t e = 0; e < E; ++e)
     pack_tokens(as.acts.data() + R.offset[e], R.offset[e + 1] - R.offset[e], inter, bp.data() + R.offset[e] * inter / 2);
+  if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
+    const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
+    std::vector<float> y(P * H);  // each slot's down product, unweighted
+    const int64_t n_down = static_cast<int64_t>(down.size());
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_down > 1)
+    {
+      TileState ts;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t it = 0; it < n_down; ++it) {
+        const ExpertRows& item = down[it];
+        const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
+        auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
+        auto put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_columns(y.data() + p0 * H, H, r, t0, ng, c, nullptr); };
+        if (n <= j.small)
+          rows_times_tokens<Kind::Bf16Dp>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, 0, sink, 2);
+        else
+          tile_rows(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put);
+      }
+    }
+    // Each output row sums its slots in expert order, as moe_kind's do.
+    parallel_chunks(H, P * H >= (1 << 16) ? 128 : H, [&](int64_t r0, int64_t r1) {
+      for (int64_t p = 0; p < P; ++p) {
+        float* o = op + R.tok[p] * H;
+        const float gp = R.gate[p], *yp = y.data() + p * H;
+        for (int64_t r = r0; r < r1; ++r) o[r] += gp * yp[r];
+      }
+    });
+    return;
+  }
   parallel_chunks(H, 32, [&](int64_t r0, int64_t r1) {
     TileState ts;
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
       if (n == 0) continue;
       auto sink = [&](int64_t r, int64_t t, float v) { op[R.tok[p0 + t] * H + r] += R.gate[p0 + t] * v; };
-      tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink);
+      auto put = [&](int64_t r, int64_t t0, int ng, const float* c) {
+        for (int t = 0; t < ng; ++t) {
+          float* dst = op + R.tok[p0 + t0 + t] * H + r;
+          _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_set1_ps(R.gate[p0 + t0 + t]), tile_column(c, t), _mm512_loadu_ps(dst)));
+        }
+      };
+      if (n <= j.small) rows_times_tokens<Kind::Bf16Dp>(j.w2[e], r0, r1, as.acts.data() + p0, n, inter, 0, sink);
+      else tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put);
     }
   });
 }
@@ -2574,7 +2673,10 @@ bool linear(Kind kd, const Mat& m, int64_t N, int64_t K, int64_t, const Act* x, 
 
 bool moe(Kind kd, const MoeJob& j, float* out) {
   if (kd != Kind::Bf16Tile) return false;
-  moe_tile(j, out);
+  int64_t most = 0;
+  for (size_t e = 0; e + 1 < j.routes->offset.size(); ++e) most = std::max(most, j.routes->offset[e + 1] - j.routes->offset[e]);
+  if (most <= j.small) moe_kind<Kind::Bf16Dp>(j, out);  // every expert on vdpbf16ps
+  else moe_tile(j, out);
   return true;
 }
 #else

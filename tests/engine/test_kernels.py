@@ -817,10 +817,13 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
 
 
 # Every (variant, format, mode) there is: f32 on each, q8 on those with int8 products (avx512_bf16's are
-# avx512_vnni's), bf16dp on avx512_bf16 alone.
+# avx512_vnni's), bf16dp on avx512_bf16 alone; and tiles with the experts of at most 4 tokens on vdpbf16ps
+# (kernels.moe_path's "tile/N": at 70, 40 and 23 tokens some experts take each mode, at 1 and 2 all take
+# vdpbf16ps), and with every expert on vdpbf16ps (tile/99).
 INT_VARIANTS = [v for v in kernels.ISA_VARIANTS if v not in ("avx512_bf16", "amx")]
 MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp16", "int8")]
-             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [("avx512_bf16", "bf16", "bf16dp"), ("amx", "bf16", "tile")])
+             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [("avx512_bf16", "bf16", "bf16dp"), ("amx", "bf16", "tile"), ("amx", "bf16", "tile/4"),
+                ("amx", "bf16", "tile/99")])
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
@@ -866,7 +869,7 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
     stacked = (torch.stack(d13), torch.stack(d2)) + ((torch.stack(s13), torch.stack(s2)) if s13 else (None, None))
     assert torch.equal(_ops().moe(h, stacked[0], stacked[1], ids, gates, f"{variant}:{mode}", stacked[2], stacked[3],
                                   group if fmt == "int4" else 0), got)
-    if mode in ("bf16dp", "tile"):
+    if mode.split("/")[0] in ("bf16dp", "tile"):
         ref, _ = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
         return
@@ -875,6 +878,14 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
         _assert_q8_close(got, ref, slack)
     else:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_a_tile_path_names_its_vdpbf16ps_tokens_as_a_count():
+    w13, w2 = torch.zeros(4, 64, 32, dtype=torch.bfloat16), torch.zeros(4, 32, 32, dtype=torch.bfloat16)
+    ids, gates = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    for bad in ("amx:tile/", "amx:tile/x", "amx:tile/-1", "amx:tile/12345678901"):
+        with pytest.raises(RuntimeError, match="expected tile/<tokens>"):
+            _ops().moe(torch.zeros(2, 32), w13, w2, ids, gates, bad)
 
 
 def test_variants_follow_cpuid():
@@ -1033,9 +1044,19 @@ def test_paths_are_measured_once_and_reported():
               and data[k]["times_s"] == first["times_s"]]
     data[key]["table"] = {"bf16": "a table an older rule chose"}
     calibrate._save(data)
+    def candidates(times):
+        return {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, _runnable(), kernels.amx_present())}
+                for prec, by in times.items() if prec in kernels.PRECISIONS}
+
     assert calibrate.kernel_paths()["table"] == first["table"] == kernels.choose_paths(
-        {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, _runnable(), kernels.amx_present())}
-         for prec, by in first["times_s"].items() if prec in kernels.PRECISIONS})
+        candidates(first["times_s"]), cold_s=candidates(first["cold_times_s"]))
+    # every path was timed both ways, the cold calls no faster than the warm ones at one token, where a
+    # product is bound by its reads (a tenth of slack: the machine is shared)
+    assert first["cold_times_s"].keys() == first["times_s"].keys()
+    for prec, by in first["times_s"].items():
+        assert first["cold_times_s"][prec].keys() == by.keys()
+        native = [p for p in by if not p.startswith("torch:")] or list(by)
+        assert sum(first["cold_times_s"][prec][p]["1"] for p in native) > 0.9 * sum(by[p]["1"] for p in native), prec
     rep = kernels.dispatch_report()
     assert rep["available"] and rep["isa"] == kernels.status()["isa"] and rep["runnable"] == _runnable()
     for prec in kernels.PRECISIONS:
