@@ -194,7 +194,7 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
-_KERNEL_PATHS_VERSION = 4  # of the measurement below: a change re-measures
+_KERNEL_PATHS_VERSION = 3  # of the measurement below: a change re-measures
 _KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
 
 
@@ -208,24 +208,77 @@ def kernel_paths() -> dict[str, Any]:
         raise RuntimeError(f"kernel paths: the native kernels are unavailable ({kernels.status()['error']})")
     build = Path(str(kernels.status()["library"])).parent.name
     got = cached(f"kernel_paths:v{_KERNEL_PATHS_VERSION}:{build}", _measure_kernel_paths)
-    got = {**got, "table": _path_table(got["times_s"], got["cold_times_s"])}  # chosen again: a cache keeps the times, not the rule
+    got = {**got, "table": _path_table(got["times_s"])}  # chosen again: a cache keeps the times, not the rule
     log.info("kernel paths on this CPU: %s", got["table"])
     return got
 
 
-def _path_table(times: dict[str, dict[str, dict[str, float]]],
-                cold: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, object]]:
-    """:func:`engine.kernels.choose_paths` over the candidates among ``times`` and the ``cold`` ones (which
-    also hold paths timed for the compute roofline only)."""
+_MOE_POINTS = (1, 2, 4, 8, 16, 32)  # tokens an expert
+
+
+def moe_vector_tokens() -> int:
+    """Up to how many tokens an expert a MoE layer on AMX tiles runs the expert on vdpbf16ps instead (the
+    same arithmetic; :func:`engine.kernels.moe_path`), measured once per machine, software, thread count and
+    kernel build: 0 where tiles are not the bf16 MoE's path or vdpbf16ps is never faster.
+
+    Timed on the fused MoE itself, every expert at exactly n tokens, with its weights evicted from the caches
+    before each call, as a decode step reads them from memory. (The path table's products are timed on a
+    pool of weights a large L3 holds: on a 2-core AMX Xeon with 480 MB of L3, 2026-12-05, they put tiles
+    ahead of vdpbf16ps from 3 tokens, where a MoE layer from memory at 4 tokens an expert read 24 GB/s on
+    vdpbf16ps and 19.6 on tiles; at 16 tokens 8.6 against 13.8.)"""
+    from engine import kernels
+
+    if kernels.load() is None or "amx" not in kernels.variants()["runnable"]:
+        return 0
+    if not any(str(p).endswith(":tile") for _, p in kernels.prepare()["bf16"]["native_ranges"]):  # type: ignore[union-attr]
+        return 0
+    build = Path(str(kernels.status()["library"])).parent.name
+    got = cached(f"moe_vector_tokens:v1:{build}", _measure_moe_modes)
+    log.info("MoE experts on vdpbf16ps up to %d tokens, AMX tiles above: %s", got["tokens"], got["times_s"])
+    return int(got["tokens"])
+
+
+def _measure_moe_modes() -> dict[str, Any]:
+    from engine import kernels
+
+    ops = kernels.ops()
+    inter, hidden = KERNEL_SHAPE[0] // 2, KERNEL_SHAPE[1]
+    n_exp = 16
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(n_exp, 2 * inter, hidden, generator=g) * hidden ** -0.5).bfloat16()
+    w2 = (torch.randn(n_exp, hidden, inter, generator=g) * inter ** -0.5).bfloat16()
+    paths = {"bf16dp": "amx:tile/999999", "tile": "amx:tile"}  # every expert on one mode
+    times: dict[str, dict[str, float]] = {m: {} for m in paths}
+    for n in _MOE_POINTS:
+        h = torch.randn(n * n_exp, hidden, generator=g)
+        ids = (torch.arange(n * n_exp) % n_exp)[:, None]  # every expert n tokens
+        gates = torch.ones(n * n_exp, 1)
+        best = dict.fromkeys(paths, float("inf"))
+        for _ in range(5):  # interleaved rounds, the best call: the machine may be shared
+            for m, p in paths.items():
+                ops.evict(w13)
+                ops.evict(w2)
+                t = time.perf_counter()
+                ops.moe(h, w13, w2, ids, gates, p)
+                best[m] = min(best[m], time.perf_counter() - t)
+        for m, v in best.items():
+            times[m][str(n)] = v
+    tokens = 0
+    for n in _MOE_POINTS:  # the vector mode up to the first count where tiles are faster
+        if times["bf16dp"][str(n)] >= times["tile"][str(n)]:
+            break
+        tokens = n
+    return {"shape": [n_exp, hidden, inter], "times_s": times, "tokens": tokens}
+
+
+def _path_table(times: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, object]]:
+    """:func:`engine.kernels.choose_paths` over the candidates among ``times`` (which also holds paths timed
+    for the compute roofline only)."""
     from engine import kernels
 
     runnable, amx = kernels.variants()["runnable"], kernels.amx_present()
-
-    def candidates(by_prec: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
-        return {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
-                for prec, by in by_prec.items() if prec in kernels.PRECISIONS}
-
-    return kernels.choose_paths(candidates(times), cold_s=candidates(cold))
+    return kernels.choose_paths({prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
+                                 for prec, by in times.items() if prec in kernels.PRECISIONS})
 
 
 def _measure_kernel_paths() -> dict[str, Any]:
@@ -243,15 +296,6 @@ def _measure_kernel_paths() -> dict[str, Any]:
     int8 = [quant.quantize(w, "int8") for w in base]
     int4_native = [quant.quantize(w, "int4", group, native=True) for w in base]
     int4_torch = [quant.quantize(w, "int4", group) for w in base]
-
-    def read(prec: str, p: str, i: int) -> list[torch.Tensor]:
-        """The tensors path ``p`` reads for matrix ``i``: what is evicted before a cold call."""
-        if prec in half:
-            return [half[prec][i]]
-        if prec == "fp32":
-            return [full[i % len(full)]]
-        q = int8[i] if prec == "int8" else (int4_torch[i] if p == "torch:quant" else int4_native[i])
-        return [t for t in (q.data, q.scales) if t is not None and t.is_contiguous()]
 
     def runner(prec: str, p: str):
         if prec in half:
@@ -274,38 +318,28 @@ def _measure_kernel_paths() -> dict[str, Any]:
     cands["fp32"] = {"torch:fp32": lambda x, xb, i: F.linear(x, full[i % len(full)])}
     if "torch:bf16" not in cands["bf16"]:
         cands["bf16"]["torch:bf16"] = runner("bf16", "torch:bf16")
-    # Two times per path and token count, the best call of 5 interleaved rounds (the machine may be shared):
-    # with the weights cycled through a pool (which a large last-level cache may hold), and cold, the
-    # weights evicted from the caches before each call, as decode reads them from memory. The table takes
-    # both (kernels.choose_paths); the compute peaks come from the first.
     times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
-    cold_times: dict[str, dict[str, dict[str, float]]] = {prec: {p: {} for p in ps} for prec, ps in cands.items()}
     t0 = time.perf_counter()
     for n_tok in kernels.TOKEN_POINTS:
         x = torch.randn(n_tok, k, generator=g)
         xb = x.bfloat16()
         reps = max(2, 64 // n_tok)
-        best = {(prec, p, cold): float("inf") for prec, ps in cands.items() for p in ps for cold in (False, True)}
+        best = {(prec, p): float("inf") for prec, ps in cands.items() for p in ps}
         for ps in cands.values():
             for f in ps.values():
                 f(x, xb, 0)  # warm-up (and the first call's allocations)
-        for _ in range(5):
+        for _ in range(5):  # interleaved rounds; the best single call of each: the machine may be shared
             for prec, ps in cands.items():
                 for p, f in ps.items():
-                    for cold in (False, True):
-                        for i in range(reps):
-                            j = i % _KERNEL_POOL
-                            if cold:
-                                for w in read(prec, p, j):
-                                    ops.evict(w)
-                            t = time.perf_counter()
-                            f(x, xb, j)
-                            best[(prec, p, cold)] = min(best[(prec, p, cold)], time.perf_counter() - t)
-        for (prec, p, cold), v in best.items():
-            (cold_times if cold else times)[prec][p][str(n_tok)] = v
+                    for i in range(reps):
+                        t = time.perf_counter()
+                        f(x, xb, i % _KERNEL_POOL)
+                        best[(prec, p)] = min(best[(prec, p)], time.perf_counter() - t)
+        for (prec, p), v in best.items():
+            times[prec][p][str(n_tok)] = v
     flop = {str(t): 2.0 * t * n * k for t in kernels.TOKEN_POINTS}
     peaks = {prec: {p: max(flop[t] / v for t, v in ts.items()) / 1e9 for p, ts in by.items()}
              for prec, by in times.items()}
     log.info("measured the kernel paths in %.1f s", time.perf_counter() - t0)
     return {"shape": [n, k], "group_size": group, "points": list(kernels.TOKEN_POINTS), "threads": torch.get_num_threads(),
-            "times_s": times, "cold_times_s": cold_times, "peak_gflops": peaks, "table": _path_table(times, cold_times)}
+            "times_s": times, "peak_gflops": peaks, "table": _path_table(times)}

@@ -255,8 +255,8 @@ def arithmetic(path: str) -> str:
     return ARITHMETIC.get(mode, mode)
 
 
-def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS,
-                 cold_s: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, dict[str, object]]:
+def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS
+                 ) -> dict[str, dict[str, object]]:
     """The path table from measured times (pure: no torch, no device). ``times_s[precision][path][str(T)]``
     is the best time of one product of ``T`` tokens.
 
@@ -268,21 +268,12 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
     tok/s on vdpbf16ps: one arithmetic with both modes in it takes each where it is fastest.) int4 is
     all-native or all-PyTorch (the two read different layouts), decided at one token (decode).
     ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
-
-    ``cold_s``, where given, are the same products on weights evicted from the caches (as decode reads them
-    from memory): within the chosen arithmetic, the path at each point is the fastest cold one. (On the AMX
-    Xeon, with a pool of weights its L3 held, tiles led vdpbf16ps at 4 tokens, 42 against 53 us; cold they
-    trailed, 113 against 108, as a MoE layer from memory measured them at 4 tokens an expert, 19.6 against
-    24 GB/s.) The arithmetic and PyTorch's crossover stay on ``times_s``: cold single products move them
-    where whole steps do not (int8 took the f32 mode; the bf16 crossover fell from 129 to 33 tokens, where a
-    batch-32 prefill ran 668 -> 285 tok/s, its MoE layers expert by expert in PyTorch).
     """
     bounds = _boundaries(points)
     table: dict[str, dict[str, object]] = {}
     for prec, by_path in times_s.items():
         native = {p: t for p, t in by_path.items() if not p.startswith("torch:")}
         torch_paths = {p: t for p, t in by_path.items() if p.startswith("torch:")}
-        pick = (cold_s or times_s)[prec]  # the path of the chosen arithmetic at each point
         best = {str(n): min(t[str(n)] for t in native.values()) for n in points}
 
         def slowdown(arith: str, native=native, best=best) -> float:
@@ -291,16 +282,14 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
 
         mode = min(sorted({arithmetic(p) for p in native}), key=slowdown)
         mine = {p: t for p, t in native.items() if arithmetic(p) == mode}
-        native_best = [min(mine, key=lambda p, n=n: pick[p][str(n)]) for n in points]
+        native_best = [min(mine, key=lambda p, n=n: mine[p][str(n)]) for n in points]
         if prec == "int4":
-            n0 = str(points[0])
-            winners = (["torch:quant"] * len(points) if "torch:quant" in torch_paths
-                       and torch_paths["torch:quant"][n0] < mine[native_best[0]][n0] else native_best)
+            tq = torch_paths.get("torch:quant")
+            winners = (["torch:quant"] * len(points) if tq and tq[str(points[0])] < mine[native_best[0]][str(points[0])]
+                       else native_best)
         else:
-            winners = []
-            for n, nb in zip(points, native_best, strict=True):
-                pool = {nb: mine[nb], **torch_paths}
-                winners.append(min(pool, key=lambda p, n=n: pool[p][str(n)]))
+            pool = {**mine, **torch_paths}
+            winners = [min(pool, key=lambda p, n=n: pool[p][str(n)]) for n in points]
         ranges: list[list[object]] = []
         for i, w in enumerate(winners):
             upper = bounds[i] if i < len(bounds) else None
@@ -343,6 +332,9 @@ def prepare() -> dict[str, dict[str, object]]:
 
         _state["paths"] = kernel_paths()
         _state["paths_threads"] = threads
+        from engine.calibrate import moe_vector_tokens
+
+        _state["moe_vector_tokens"] = moe_vector_tokens()  # after the table: it asks whether tiles are in it
     return _state["paths"]["table"]  # type: ignore[index]
 
 
@@ -452,19 +444,16 @@ def fused_moe(precision: str | torch.dtype, tokens_per_expert: float) -> bool:
 def moe_path(precision: str, tokens_per_expert: float, hidden: int, inter: int) -> str:
     """The native path of a fused MoE layer whose experts see ``tokens_per_expert`` tokens on average.
 
-    Where the table takes AMX tiles above a range of vdpbf16ps (one arithmetic, :data:`ARITHMETIC`), each
-    expert takes its own token count's mode: ``variant:tile/N`` runs the experts routed at most N tokens on
-    vdpbf16ps, the others on tiles. (Routing is skewed: at batch 32 of the medium preset, 7.6 tokens an
-    expert on average, some experts see 1 and others 30. A MoE layer from memory at 4 tokens an expert
-    read 24 GB/s on vdpbf16ps and 19.6 on tiles, at 16 tokens 8.6 against 13.8.)"""
+    On AMX tiles each expert takes the mode of its own token count: ``variant:tile/N`` runs the experts
+    routed at most N tokens on vdpbf16ps (one arithmetic, :data:`ARITHMETIC`), N measured on this machine
+    (:func:`engine.calibrate.moe_vector_tokens`). Routing is skewed: at batch 32 of the medium preset an
+    expert sees 7.6 tokens on average, some 1 and others 30."""
     p = _fit(native_path(precision, max(1, round(tokens_per_expert))), min(hidden, inter))
-    if precision in _forced or p.startswith("torch:") or arithmetic(p) != "bf16":
+    if precision != "bf16" or precision in _forced or not p.endswith(":tile"):
         return p
-    ranges: list[list[object]] = prepare()[precision]["native_ranges"]  # type: ignore[assignment]
-    first = next((i for i, (_, q) in enumerate(ranges) if str(q).endswith(":tile")), None)
-    if first is None or first == 0 or not str(ranges[first - 1][1]).endswith(":bf16dp"):
-        return p
-    return f"{ranges[first][1]}/{ranges[first - 1][0]}"
+    prepare()
+    n = int(_state.get("moe_vector_tokens", 0))  # type: ignore[arg-type]
+    return f"{p}/{n}" if n else p
 
 
 def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
@@ -526,7 +515,9 @@ def dispatch_report() -> dict[str, object]:
     onednn = (f"oneDNN's bf16 products measured {bf16_torch:.0f} GFLOP/s at best, "
               + ("used above the crossover" if used else "slower than the native kernels here, not used"))
     if has_amx:
-        detail = f"present; {onednn}"
+        n = _state.get("moe_vector_tokens", 0)
+        detail = f"present; {onednn}" + (f"; a MoE's experts of up to {n} tokens on vdpbf16ps, tiles above (measured)"
+                                        if n else "")
     else:
         detail = ("absent: CPUID reports no AMX tiles (amx_tile, amx_bf16)" if "amx_tile" not in feats
                   else "absent: the OS does not enable AMX tile state (XCR0)")
@@ -537,6 +528,7 @@ def dispatch_report() -> dict[str, object]:
                                            "detail": detail},
             "paths": {p: {k: v for k, v in t.items() if k != "native_ranges"} for p, t in table.items()},
             "forced": dict(_forced), "peak_gflops": peaks, "measured_shape": measured.get("shape"),
+            "moe_vector_tokens": _state.get("moe_vector_tokens", 0),
             "token_points": measured.get("points")}
 
 
