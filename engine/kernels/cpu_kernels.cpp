@@ -1682,8 +1682,8 @@ double stream_read(const at::Tensor& buf) {
 // Flush t's bytes out of every cache level (clflush a line), so that the next read of t comes from memory,
 // as a decode step reads its weights. True where done (x86); false elsewhere (the read may be a cache's).
 bool evict(const at::Tensor& t) {
-#if MT_X86
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "moetune::evict: a contiguous CPU tensor expected");
+#if MT_X86
   const char* p = static_cast<const char*>(t.data_ptr());
   const int64_t n = t.numel() * t.element_size();
   for (int64_t i = 0; i < n; i += 64) _mm_clflush(p + i);
@@ -1691,7 +1691,6 @@ bool evict(const at::Tensor& t) {
   _mm_mfence();
   return true;
 #else
-  (void)t;
   return false;
 #endif
 }

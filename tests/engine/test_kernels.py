@@ -227,6 +227,19 @@ def test_moe_activation_holds_at_the_ends_of_the_exponential(scale):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
+def test_evict_keeps_the_values_and_refuses_what_it_cannot_flush():
+    """evict flushes a tensor's lines (the calibration reads weights cold with it): the values stay, any dtype
+    and size, a line's tail included; a strided view is refused."""
+    import platform
+
+    for t in (torch.arange(1000, dtype=torch.float32), torch.randn(33, 7).bfloat16(), torch.zeros(0)):
+        before = t.clone()
+        assert _ops().evict(t) is (platform.machine() in ("x86_64", "AMD64"))
+        assert torch.equal(t, before)
+    with pytest.raises(RuntimeError, match="contiguous CPU tensor"):
+        _ops().evict(torch.randn(8, 8).t())
+
+
 def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
     h = torch.randn(2, 32)
     w13 = torch.randn(4, 16, 32).bfloat16()
