@@ -85,6 +85,8 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
     step reads ``tokens * context_tokens`` positions of KV cache. Prefill (``decode=False``): one
     sequence's chunk of ``tokens`` tokens after ``context_tokens`` cached ones (causal attention).
     """
+    from engine import kernels
+
     spec = engine.spec
     mb = model_bytes(engine)
     n_moe = len(spec.moe_layers)
@@ -108,8 +110,6 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
         dense_path = _path(engine, _PRECISION.get(engine.model.weight_dtype, "fp32"), tokens)
     per_expert = tokens * spec.top_k / max(1e-9, experts_touched)
     expert_path = _path(engine, mb["expert_precision"], per_expert)
-    from engine import kernels
-
     prec = mb["expert_precision"]
     if engine.model.native and spec.n_experts and prec in kernels.PRECISIONS and kernels.fused_moe(prec, per_expert):
         expert_path = f"{prec}/{kernels.moe_path(prec, per_expert, spec.hidden_size, spec.expert_intermediate)}"

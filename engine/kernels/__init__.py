@@ -479,20 +479,16 @@ def moe_experts(h: torch.Tensor, w13: list, w2: list, ids: torch.Tensor, gates: 
     first = next(w for w in w13 if w is not None)
     quantized = not isinstance(first, torch.Tensor)
     prec = first.precision if quantized else _PRECISION_OF[first.dtype]
-    n_experts = len(w13)
-    p = native_path(prec, max(1, round(ids.numel() / n_experts)))
+    p = moe_path(prec, ids.numel() / len(w13), first.shape[1], first.shape[0] // 2)  # shape [2I, H]
     if quantized:
         d13 = [None if w is None else w.data for w in w13]
         d2 = [None if w is None else w.data for w in w2]
         s13 = [None if w is None else w.scales for w in w13]
         s2 = [None if w is None else w.scales for w in w2]
         group = first.group_size or 0
-        inner = min(first.shape[1], first.shape[0] // 2)
     else:
         d13, d2, s13, s2, group = w13, w2, [], [], 0
-        inner = min(first.shape[1], first.shape[0] // 2)
-    return ops().moe_q(h.contiguous(), d13, s13, d2, s2, ids.contiguous(), gates.float().contiguous(), group,
-                       _fit(p, inner))
+    return ops().moe_q(h.contiguous(), d13, s13, d2, s2, ids.contiguous(), gates.float().contiguous(), group, p)
 
 
 # ------------------------------------------------------------------------------ what was chosen
