@@ -277,9 +277,15 @@ struct Spans {
   bool runs = false;                   // items are runs of one expert's rows (expert_runs)
   int64_t work_up = 0, work_down = 0;  // rows x tokens an item, phase 1 and 2, where runs (else 0)
 };
-inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
+// The most tokens any of the E experts is routed.
+inline int64_t most_tokens(const Routes& R, int64_t E) {
   int64_t most = 0;
   for (int64_t e = 0; e < E; ++e) most = std::max(most, R.offset[e + 1] - R.offset[e]);
+  return most;
+}
+
+inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
+  const int64_t most = most_tokens(R, E);
   if (most == 0 || most > kTokBlock) return {};
   const int64_t items = 4 * std::max(n_threads, 1);  // a few items a thread: the dynamic schedule balances
   return {true, (R.P * inter + items - 1) / items, (R.P * H + items - 1) / items};
@@ -2347,6 +2353,20 @@ void linear_kind(const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, in
 //            expert order: per run of an expert's down rows into a buffer per slot, then summed per block
 //            of output rows; or per block of output rows over every expert in turn (moe_spans). A thread
 //            owns the rows it writes: no races.
+// op[token] += gate * y[slot] for every slot (y [P, H]: each slot's down product, unweighted): each output
+// row sums its slots in expert order (the order of moe_kind's short items' sums: the same bits), on the
+// threads where there are many.
+inline void sum_slots(const Routes& R, const float* y, int64_t H, float* op) {
+  const int64_t P = R.P;
+  parallel_chunks(H, P * H >= (1 << 16) ? 128 : H, [&](int64_t r0, int64_t r1) {
+    for (int64_t p = 0; p < P; ++p) {
+      float* o = op + R.tok[p] * H;
+      const float gp = R.gate[p], *yp = y + p * H;
+      for (int64_t r = r0; r < r1; ++r) o[r] += gp * yp[r];
+    }
+  });
+}
+
 template <Kind KD>
 void moe_kind(const MoeJob& j, float* op) {
   const Routes& R = *j.routes;
@@ -2380,15 +2400,7 @@ void moe_kind(const MoeJob& j, float* op) {
       auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
       rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink, 2);
     });
-    // Each output row sums its slots in expert order (the order of the short items' sums below: the same
-    // bits), on the threads where there are many.
-    parallel_chunks(H, P * H >= (1 << 16) ? 128 : H, [&](int64_t r0, int64_t r1) {
-      for (int64_t p = 0; p < P; ++p) {
-        float* o = op + R.tok[p] * H;
-        const float gp = R.gate[p], *yp = y.data() + p * H;
-        for (int64_t r = r0; r < r1; ++r) o[r] += gp * yp[r];
-      }
-    });
+    sum_slots(R, y.data(), H, op);
     return;
   }
   parallel_chunks(H, 16, [&](int64_t r0, int64_t r1) {
@@ -2498,6 +2510,12 @@ inline void put_columns(float* out, int64_t ld, int64_t r, int64_t t0, int ng, c
   for (int t = 0; t < ng; ++t) _mm512_storeu_ps(out + (t0 + t) * ld + r, _mm512_add_ps(tile_column(c, t), b));
 }
 
+// A put that stores the tile's 16 rows as they are: row i's ng dots at out + i * ld + t0.
+inline void put_rows(float* out, int64_t ld, int64_t t0, int ng, const float* c) {
+  const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
+  for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(out + i * ld + t0, k, _mm512_load_ps(c + 16 * i));
+}
+
 inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32)
@@ -2589,15 +2607,10 @@ void moe_tile(const MoeJob& j, float* op) {
         store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
         continue;
       }
-      auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
-        const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
-        for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(g.data() + (r - item.r0 + i) * n + t0, k, _mm512_load_ps(c + 16 * i));
-      };
+      auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_rows(g.data() + (r - item.r0) * n, n, t0, ng, c); };
       tile_rows(j.w13[item.e], item.r0, item.r1, xs.data() + p0, b, n, H, ts, gate_sink, gate_put);
       auto up_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
-        const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
-        for (int i = 0; i < 16; ++i)
-          _mm512_mask_storeu_ps(u.data() + (r - inter - item.r0 + i) * n + t0, k, _mm512_load_ps(c + 16 * i));
+        put_rows(u.data() + (r - inter - item.r0) * n, n, t0, ng, c);
       };
       tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put);
       store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
@@ -2626,14 +2639,7 @@ void moe_tile(const MoeJob& j, float* op) {
           tile_rows(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put);
       }
     }
-    // Each output row sums its slots in expert order, as moe_kind's do.
-    parallel_chunks(H, P * H >= (1 << 16) ? 128 : H, [&](int64_t r0, int64_t r1) {
-      for (int64_t p = 0; p < P; ++p) {
-        float* o = op + R.tok[p] * H;
-        const float gp = R.gate[p], *yp = y.data() + p * H;
-        for (int64_t r = r0; r < r1; ++r) o[r] += gp * yp[r];
-      }
-    });
+    sum_slots(R, y.data(), H, op);
     return;
   }
   parallel_chunks(H, 32, [&](int64_t r0, int64_t r1) {
@@ -2676,9 +2682,8 @@ bool linear(Kind kd, const Mat& m, int64_t N, int64_t K, int64_t, const Act* x, 
 
 bool moe(Kind kd, const MoeJob& j, float* out) {
   if (kd != Kind::Bf16Tile) return false;
-  int64_t most = 0;
-  for (size_t e = 0; e + 1 < j.routes->offset.size(); ++e) most = std::max(most, j.routes->offset[e + 1] - j.routes->offset[e]);
-  if (most <= j.small) moe_kind<Kind::Bf16Dp>(j, out);  // every expert on vdpbf16ps
+  if (most_tokens(*j.routes, static_cast<int64_t>(j.w13.size())) <= j.small)
+    moe_kind<Kind::Bf16Dp>(j, out);  // every expert on vdpbf16ps
   else moe_tile(j, out);
   return true;
 }
