@@ -25,21 +25,20 @@ def api_key() -> str | None:
 
 # OpenMP's idle threads spin briefly, then sleep. A decode step runs about a hundred short parallel regions,
 # with a few microseconds of serial work between them. Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE)
-# are woken by the kernel at every region, 14-21 us each here; threads that spin libgomp's default 300,000
+# are woken by the kernel at every region, 14-30 us each; threads that spin libgomp's default 300,000
 # times hold a core for milliseconds after every barrier, and on a CPU shared with any other process the
-# thread they wait for needs that core. 1,000 spins (20-100 us of pause loops) bridge the gaps inside a
-# step and sleep between steps (README, "Threads spin briefly"). libgomp reads the variables once, when
-# PyTorch loads it, so the engine package sets GOMP_SPINCOUNT on import, before anything imports torch;
-# a policy or spin count the user set is kept (GOMP_SPINCOUNT overrides OMP_WAIT_POLICY in libgomp, so
-# it is left unset where the user chose a policy).
-OMP_SPIN_COUNT_DEFAULT = "1000"
-
+# thread they wait for needs that core. The engine spins for about 100 us (engine.spin: the count of pauses
+# that last that long on this machine), which bridges the gaps inside a step and sleeps between steps
+# (README, "Threads spin briefly, then sleep"). libgomp reads the variables once, when PyTorch loads it, so
+# the engine package sets GOMP_SPINCOUNT on import, before anything imports torch; a policy or spin count
+# the user set is kept (GOMP_SPINCOUNT overrides OMP_WAIT_POLICY in libgomp, so it is left unset where the
+# user chose a policy).
 _wait_policy: tuple[str, str] | None = None
 
 
 def apply_omp_wait_policy() -> tuple[str, str]:
     """Set ``GOMP_SPINCOUNT`` unless the user set it or ``OMP_WAIT_POLICY``, or torch is already loaded;
-    ``(value, source)``."""
+    ``(value, source)``, the source starting "moetune default" where the engine chose."""
     global _wait_policy
     if _wait_policy is None:
         import sys
@@ -51,8 +50,11 @@ def apply_omp_wait_policy() -> tuple[str, str]:
         elif "torch" in sys.modules:
             _wait_policy = ("libgomp default", "torch was imported before the engine")
         else:
-            os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT_DEFAULT
-            _wait_policy = (f"GOMP_SPINCOUNT={OMP_SPIN_COUNT_DEFAULT}", "moetune default")
+            from engine.spin import measured_spin_count
+
+            count, how = measured_spin_count()
+            os.environ["GOMP_SPINCOUNT"] = str(count)
+            _wait_policy = (f"GOMP_SPINCOUNT={count}", f"moetune default: {how}")
     return _wait_policy
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from engine.spin import FALLBACK_SPIN_COUNT, spin_count
 
 SHOW = "import engine, torch; from engine.hwinfo import software; torch.ones(8).sum(); print(software()['omp_wait_policy'])"
 
@@ -19,10 +22,29 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, check=True)
 
 
-def test_engine_makes_openmp_threads_spin_briefly_before_torch_loads_libgomp():
-    r = _run(SHOW)
-    assert "GOMP_SPINCOUNT = '1000'" in r.stderr  # libgomp's own account: 1,000 spins, then sleep
-    assert r.stdout.strip() == "GOMP_SPINCOUNT=1000 (moetune default)"
+def test_engine_makes_openmp_threads_spin_about_100_us_before_torch_loads_libgomp(tmp_path):
+    r = _run(SHOW, MOETUNE_CACHE=str(tmp_path))  # a cache without the probe: it is built on this import
+    m = re.fullmatch(r"GOMP_SPINCOUNT=(\d+) \(moetune default: 100 us of ([\d.]+) ns pauses\)", r.stdout.strip())
+    assert m, r.stdout
+    count, pause = int(m[1]), float(m[2])
+    assert f"GOMP_SPINCOUNT = '{count}'" in r.stderr  # libgomp's own account of what it spins
+    assert 0.1 < pause < 1000
+    assert count == spin_count(pause)
+    assert list(tmp_path.glob("probe/*/pause_probe.so"))  # built once, then loaded from the cache
+    again = _run(SHOW, MOETUNE_CACHE=str(tmp_path))
+    assert again.stdout.startswith("GOMP_SPINCOUNT=") and "moetune default: 100 us of" in again.stdout
+
+
+def test_without_a_c_compiler_the_spin_count_falls_back_and_says_why(tmp_path):
+    r = _run(SHOW, MOETUNE_CACHE=str(tmp_path), PATH=str(tmp_path))  # no cc, gcc or clang on the path
+    assert f"GOMP_SPINCOUNT = '{FALLBACK_SPIN_COUNT}'" in r.stderr
+    assert r.stdout.strip() == f"GOMP_SPINCOUNT={FALLBACK_SPIN_COUNT} (moetune default: pause not timed: no C compiler)"
+
+
+@pytest.mark.parametrize(("pause_ns", "count"), [(11.0, 9100), (12.4, 8100), (50.0, 2000), (300.0, 1000),
+                                                 (0.5, 100000), (0.0, 100000)])
+def test_the_spin_count_is_100_us_of_pauses_to_two_figures_within_its_range(pause_ns, count):
+    assert spin_count(pause_ns) == count
 
 
 @pytest.mark.parametrize("value", ["active", "PASSIVE"])
