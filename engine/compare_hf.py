@@ -45,7 +45,7 @@ import torch
 from engine.bench import prefill_then_decode
 from engine.calibrate import memory_bandwidth_gbps
 from engine.config import ConfigError, EngineConfig
-from engine.env import cache_dir, omp_wait_policy
+from engine.env import cache_dir, huge_pages, omp_wait_policy
 from engine.model.maker import resolve_model
 from engine.roofline import peak_gflops, roofline, step_cost
 from engine.runtime import Engine
@@ -153,7 +153,7 @@ class _System:
                     "experts": e.model.hybrid.hi if e.model.hybrid is not None else
                     str(e.weight_dtype).replace("torch.", ""),
                     "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "dense": e.model.dense_precision,
-                    "cpu_kernels": e.kernels_label, "openmp_waits": omp_wait_policy()}
+                    "cpu_kernels": e.kernels_label, "openmp_waits": omp_wait_policy(), "huge_pages": huge_pages()}
         if self.hf is not None:
             return {"dtype": str(self.hf.dtype).replace("torch.", ""), "transformers": _version("transformers")}
         return {"gguf": str(self.gguf), "llama_cpp_python": _version("llama_cpp_python"),

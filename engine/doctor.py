@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.env import cache_dir, db_url, omp_wait_policy
+from engine.env import cache_dir, db_url, huge_pages, omp_wait_policy
 from engine.hwinfo import ISA_FLAGS, cpu_flags, hardware
 
 # The expert shape the compute-dtype measurement uses when no model is given: the medium preset's
@@ -127,7 +127,7 @@ def diagnose(hidden: int = REFERENCE_HIDDEN, inter: int = REFERENCE_INTER) -> di
     report: dict[str, Any] = {
         "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
         "cpu": _cpu(), "kernels": _kernels(), "quant": _quant(), "cuda": _cuda(), "nvml": _nvml(),
-        "cache": _cache(), "omp_wait_policy": omp_wait_policy(),
+        "cache": _cache(), "omp_wait_policy": omp_wait_policy(), "huge_pages": huge_pages(),
     }
     report["compute_dtype"] = _compute_dtype(hidden, inter)
     problems, notes = [], []
@@ -187,6 +187,7 @@ def format_report(r: dict[str, Any]) -> str:
                                      else f": {k['error']}"),
         f"          compiler {k['compiler'] or 'none'}" + (f" ({k['compiler_version']})" if k["compiler_version"] else ""),
         f"threads   OpenMP waits {r['omp_wait_policy']}",
+        f"memory    huge pages {r['huge_pages']}",
     ]
     lines += _dispatch_lines(k.get("dispatch"))
     for name in ("bfloat16", "float16"):

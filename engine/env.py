@@ -58,6 +58,44 @@ def apply_omp_wait_policy() -> tuple[str, str]:
     return _wait_policy
 
 
+# PyTorch backs its CPU allocations of 2 MiB and more with transparent huge pages where THP_MEM_ALLOC_ENABLE
+# is set (2 MiB-aligned, madvise(MADV_HUGEPAGE)); it reads the variable once, at its first allocation, so
+# the engine sets it on import too. The weights then stream through 2 MiB pages instead of 4 KiB ones
+# (fewer TLB misses): batch-1 decode of the medium checkpoint on the AMX Xeon, 4 paired runs, 19.0 / 18.9 /
+# 19.3 / 18.7 -> 18.1 / 17.9 / 17.6 / 18.3 ms a step; peak RSS unchanged (README, "Huge pages"). Where the
+# kernel's THP mode is "never" the advice does nothing; the record says which mode it is.
+_huge_pages: tuple[str, str] | None = None
+
+
+def apply_huge_pages() -> tuple[str, str]:
+    """Set ``THP_MEM_ALLOC_ENABLE=1`` unless the user set it or torch is already loaded; ``(value, source)``."""
+    global _huge_pages
+    if _huge_pages is None:
+        import sys
+
+        user = os.environ.get("THP_MEM_ALLOC_ENABLE")
+        if user is not None:
+            _huge_pages = (f"THP_MEM_ALLOC_ENABLE={user}", "environment")
+        elif "torch" in sys.modules:
+            _huge_pages = ("off", "torch was imported before the engine")
+        else:
+            os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+            _huge_pages = ("THP_MEM_ALLOC_ENABLE=1", "moetune default")
+    return _huge_pages
+
+
+def huge_pages() -> str:
+    """Whether PyTorch's large CPU allocations ask for huge pages, who chose it, and the kernel's THP mode
+    (recorded in every result)."""
+    value, source = apply_huge_pages()
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split()
+        mode = next((m.strip("[]") for m in modes if m.startswith("[")), "unknown")
+    except OSError:
+        mode = "absent"
+    return f"{value} ({source}; kernel THP {mode})"
+
+
 def omp_wait_policy() -> str:
     """The policy this process's OpenMP threads wait with, and who chose it (recorded in every result)."""
     value, source = apply_omp_wait_policy()

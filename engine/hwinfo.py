@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from engine.env import omp_wait_policy
+from engine.env import huge_pages, omp_wait_policy
 
 
 def _torch() -> Any:
@@ -86,7 +86,7 @@ def software() -> dict[str, str]:
                 "platform": platform.platform(), "kernels": None}
     return {"python": sys.version.split()[0], "torch": torch.__version__, "moetune": version("moetune"),
             "cuda": torch.version.cuda or "none", "platform": platform.platform(), "kernels": kernel_state(),
-            "omp_wait_policy": omp_wait_policy()}
+            "omp_wait_policy": omp_wait_policy(), "huge_pages": huge_pages()}
 
 
 def kernel_state() -> dict[str, Any]:
