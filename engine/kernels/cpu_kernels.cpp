@@ -98,7 +98,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -174,6 +177,54 @@ struct Prepared {
   std::vector<float> d, gs;
   std::vector<uint16_t> b;
   std::vector<Act> acts;
+};
+
+// Memory one call uses and drops, not zeroed: its thread's buffer for the slot, kept between calls where it
+// is at most kKeepBytes (so a MoE layer's buffers cost neither zeroing nor page faults: zeroed vectors were
+// 0.7 ms of a 128-token prefill layer's 11.5 on the AMX Xeon), else memory of its own, freed with it. A
+// thread keeps at most kKeepBytes a slot; one call uses each slot once on each thread.
+enum ScratchSlot : int { kPackedTokens, kActivations, kSlotOutputs, kGateRows, kUpRows, kScratchSlots };
+constexpr size_t kKeepBytes = size_t{32} << 20;
+
+struct FreeBytes {
+  void operator()(char* p) const { std::free(p); }
+};
+using Bytes = std::unique_ptr<char, FreeBytes>;
+
+inline Bytes alloc_bytes(size_t bytes) {
+  Bytes p(static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+template <typename T>
+class Scratch {
+ public:
+  Scratch(ScratchSlot slot, int64_t n) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T);
+    struct Kept {
+      Bytes p;
+      size_t bytes = 0;
+    };
+    thread_local Kept kept[kScratchSlots];
+    Kept& k = kept[slot];
+    if (bytes > kKeepBytes) {
+      own_ = alloc_bytes(bytes);
+      p_ = reinterpret_cast<T*>(own_.get());
+      return;
+    }
+    if (k.bytes < bytes) {
+      k.p = alloc_bytes(bytes);
+      k.bytes = bytes;
+    }
+    p_ = reinterpret_cast<T*>(k.p.get());
+  }
+  T* data() const { return p_; }
+  T& operator[](int64_t i) const { return p_[i]; }
+
+ private:
+  Bytes own_;
+  T* p_ = nullptr;
 };
 
 inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d8, float* gs) {
@@ -377,6 +428,15 @@ inline void store_act(float* g, const float* u, int64_t r0, int64_t rows, int64_
   silu_mul(g, u, rows * n);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t t = 0; t < n; ++t) act[t * inter + r0 + r] = g[r * n + t];
+}
+
+// store_act with act as bf16 rows (rounded as prepare rounds them), for the products that read bf16
+// activations (tile mode's second phase).
+inline void store_act_bf16(float* g, const float* u, int64_t r0, int64_t rows, int64_t n, int64_t inter,
+                           uint16_t* act) {
+  silu_mul(g, u, rows * n);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < n; ++t) act[t * inter + r0 + r] = f_to_bf16(g[r * n + t]);
 }
 
 #define MOETUNE_VARIANT_BODY 1
@@ -2412,7 +2472,7 @@ void moe_kind(const MoeJob& j, float* op) {
   const int64_t P = R.P, H = j.H, inter = j.inter, E = static_cast<int64_t>(j.w13.size()), G = j.G;
   std::vector<Act> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = j.hacts[R.tok[p]];
-  std::vector<float> act(P * inter);
+  const Scratch<float> act(kActivations, P * inter);
   const int n_threads = at::get_num_threads();
   const Spans sp = moe_spans(R, E, inter, H, n_threads);
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
@@ -2421,7 +2481,7 @@ void moe_kind(const MoeJob& j, float* op) {
   for (int64_t it = 0; it < n_items; ++it) {
     const ExpertRows& item = items[it];
     const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
-    std::vector<float> g(rows * n), u(rows * n);
+    const Scratch<float> g(kGateRows, rows * n), u(kUpRows, rows * n);
     auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
     rows_times_tokens<KD>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, G, gate_sink, 2);
     auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
@@ -2432,7 +2492,7 @@ void moe_kind(const MoeJob& j, float* op) {
   prepare(act.data(), P, inter, KD, G, as);
   if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
     const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
-    std::vector<float> y(P * H);  // each slot's down product, unweighted
+    const Scratch<float> y(kSlotOutputs, P * H);  // each slot's down product, unweighted
     parallel_chunks(static_cast<int64_t>(down.size()), 1, [&](int64_t it, int64_t) {
       const ExpertRows& item = down[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
@@ -2567,39 +2627,37 @@ inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
 }
 
 // The dots of rows [r0, r1) of the bf16 weight m and n tokens (bf16 rows x[t].b, packed as B tiles at
-// bp): 32 tokens and 32 rows a tile block, then 16 rows, each 16 rows' C tile handed to put(row, first
+// bp): 32 rows and 32 tokens a tile block, then 16 rows, each 16 rows' C tile handed to put(row, first
 // token, tokens, c) (c[i * 16 + t]: row + i, token + t); the last rows (fewer than 16) by vdpbf16ps, each
-// dot to sink(row, token, dot).
+// dot to sink(row, token, dot). Each block of rows meets all the tokens before the next is read, so rows
+// are read from memory once at any token count (the tokens outside, until 2026-12-05, read 1024 rows x 2 KB
+// again per 32 tokens, from memory: a 49152 x 1024 product at 64 tokens 8.9 -> 7.2 ms).
 template <typename Sink, typename Put>
 void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_t* bp, int64_t n, int64_t K,
                TileState& ts, Sink& sink, Put& put) {
   const uint16_t* w = static_cast<const uint16_t*>(m.w);
   alignas(64) float c[4 * 256];
-  for (int64_t t0 = 0; t0 < n; t0 += 32) {
+  auto block = [&](int64_t r, int nr, int64_t t0) {  // rows r.. (16 nr of them) x tokens t0.. (up to 32)
     const int na = static_cast<int>(std::min<int64_t>(16, n - t0));
     const int nb = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - t0 - 16)));
     ts.shape(na, nb);
     const uint32_t* b[2] = {bp + t0 * K / 2, bp + (t0 + 16) * K / 2};
     const int ng[2] = {na, nb};
-    auto emit = [&](int64_t r, int nr) {
-      for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
-        for (int h = 0; h < nr; ++h) put(r + 16 * h, t0 + 16 * g, ng[g], c + (g * 2 + h) * 256);
-    };
-    int64_t r = r0;
-    for (; r + 32 <= r1; r += 32) {
-      if (nb > 0) tile_block<2, 2>(w + r * m.ld, m.ld, b, ng, K, c);
-      else tile_block<2, 1>(w + r * m.ld, m.ld, b, ng, K, c);
-      emit(r, 2);
-    }
-    if (r + 16 <= r1) {
-      if (nb > 0) tile_block<1, 2>(w + r * m.ld, m.ld, b, ng, K, c);
-      else tile_block<1, 1>(w + r * m.ld, m.ld, b, ng, K, c);
-      emit(r, 1);
-      r += 16;
-    }
-    for (; r < r1; ++r)
-      for (int64_t t = t0; t < t0 + na + nb; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
+    const uint16_t* wr = w + r * m.ld;
+    if (nr == 2) nb > 0 ? tile_block<2, 2>(wr, m.ld, b, ng, K, c) : tile_block<2, 1>(wr, m.ld, b, ng, K, c);
+    else nb > 0 ? tile_block<1, 2>(wr, m.ld, b, ng, K, c) : tile_block<1, 1>(wr, m.ld, b, ng, K, c);
+    for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
+      for (int h = 0; h < nr; ++h) put(r + 16 * h, t0 + 16 * g, ng[g], c + (g * 2 + h) * 256);
+  };
+  int64_t r = r0;
+  for (; r + 32 <= r1; r += 32)
+    for (int64_t t0 = 0; t0 < n; t0 += 32) block(r, 2, t0);
+  if (r + 16 <= r1) {
+    for (int64_t t0 = 0; t0 < n; t0 += 32) block(r, 1, t0);
+    r += 16;
   }
+  for (; r < r1; ++r)
+    for (int64_t t = 0; t < n; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
 }
 
 void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, const float* bias, float* y) {
@@ -2624,7 +2682,7 @@ void moe_tile(const MoeJob& j, float* op) {
   const int64_t P = R.P, H = j.H, inter = j.inter, E = static_cast<int64_t>(j.w13.size());
   std::vector<Act> xs(P);
   for (int64_t p = 0; p < P; ++p) xs[p] = j.hacts[R.tok[p]];
-  std::vector<uint32_t> bp(P * std::max(H, inter) / 2);
+  const Scratch<uint32_t> bp(kPackedTokens, P * std::max(H, inter) / 2);
   // Each expert's tokens as B tiles, where it runs on tiles, on the threads: serially this was 0.3 ms of a
   // 7 ms layer at 4 tokens an expert, and the other thread went to sleep meanwhile.
   auto pack = [&](const Act* acts, int64_t K) {
@@ -2634,7 +2692,7 @@ void moe_tile(const MoeJob& j, float* op) {
     });
   };
   pack(xs.data(), H);
-  std::vector<float> act(P * inter);
+  const Scratch<uint16_t> act(kActivations, P * inter);  // phase 1's activations, as bf16 rows
   const int n_threads = at::get_num_threads();
   const Spans sp = moe_spans(R, E, inter, H, n_threads);
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
@@ -2647,14 +2705,14 @@ void moe_tile(const MoeJob& j, float* op) {
       const ExpertRows& item = items[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
       const uint32_t* b = bp.data() + p0 * H / 2;
-      std::vector<float> g(rows * n), u(rows * n);
+      const Scratch<float> g(kGateRows, rows * n), u(kUpRows, rows * n);
       auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
       auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
       if (n <= j.small) {  // few tokens: vdpbf16ps streams the rows faster than the tiles (MoeJob::small)
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, 0, gate_sink, 2);
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, 0,
                                         up_sink, 2);
-        store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+        store_act_bf16(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
         continue;
       }
       auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_rows(g.data() + (r - item.r0) * n, n, t0, ng, c); };
@@ -2663,15 +2721,16 @@ void moe_tile(const MoeJob& j, float* op) {
         put_rows(u.data() + (r - inter - item.r0) * n, n, t0, ng, c);
       };
       tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put);
-      store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+      store_act_bf16(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
     }
   }
   Prepared as;
-  prepare(act.data(), P, inter, Kind::Bf16Tile, 0, as);
+  as.acts.assign(P, Act{});
+  for (int64_t p = 0; p < P; ++p) as.acts[p].b = act.data() + p * inter;
   pack(as.acts.data(), inter);
   if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
     const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
-    std::vector<float> y(P * H);  // each slot's down product, unweighted
+    const Scratch<float> y(kSlotOutputs, P * H);  // each slot's down product, unweighted
     const int64_t n_down = static_cast<int64_t>(down.size());
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_down > 1)
     {
