@@ -423,20 +423,15 @@ inline void silu_mul(float* g, const float* u, int64_t n) {
 }
 
 // Phase 1's end for one work item: the gate g and up u products of rows [r0, r0 + rows) for n tokens (both
-// [rows, n]) -> act[t * inter + r] = silu(g) * u (act: the item's expert's first pair).
-inline void store_act(float* g, const float* u, int64_t r0, int64_t rows, int64_t n, int64_t inter, float* act) {
+// [rows, n]) -> act[t * inter + r] = silu(g) * u (act: the item's expert's first pair), as fp32, or as bf16
+// (rounded as prepare rounds them) for the products that read bf16 activations (tile mode's second phase).
+inline void put_act(float v, float* a) { *a = v; }
+inline void put_act(float v, uint16_t* a) { *a = f_to_bf16(v); }
+template <typename T>
+inline void store_act(float* g, const float* u, int64_t r0, int64_t rows, int64_t n, int64_t inter, T* act) {
   silu_mul(g, u, rows * n);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < n; ++t) act[t * inter + r0 + r] = g[r * n + t];
-}
-
-// store_act with act as bf16 rows (rounded as prepare rounds them), for the products that read bf16
-// activations (tile mode's second phase).
-inline void store_act_bf16(float* g, const float* u, int64_t r0, int64_t rows, int64_t n, int64_t inter,
-                           uint16_t* act) {
-  silu_mul(g, u, rows * n);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < n; ++t) act[t * inter + r0 + r] = f_to_bf16(g[r * n + t]);
+    for (int64_t t = 0; t < n; ++t) put_act(g[r * n + t], act + t * inter + r0 + r);
 }
 
 #define MOETUNE_VARIANT_BODY 1
@@ -2712,7 +2707,7 @@ void moe_tile(const MoeJob& j, float* op) {
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, 0, gate_sink, 2);
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, 0,
                                         up_sink, 2);
-        store_act_bf16(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+        store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
         continue;
       }
       auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_rows(g.data() + (r - item.r0) * n, n, t0, ng, c); };
@@ -2721,7 +2716,7 @@ void moe_tile(const MoeJob& j, float* op) {
         put_rows(u.data() + (r - inter - item.r0) * n, n, t0, ng, c);
       };
       tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put);
-      store_act_bf16(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+      store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
     }
   }
   Prepared as;

@@ -69,12 +69,13 @@ def test_torch_imported_first_is_recorded_not_hidden():
     assert r.stdout.strip() == "libgomp default (torch was imported before the engine)"
 
 
-# A tensor of 8 MiB: PyTorch's allocator advises huge pages for it where THP_MEM_ALLOC_ENABLE is set. smaps shows the advice as the mapping's "hg" flag (whether the kernel then backs it with huge pages
-# depends on its THP mode and free memory, so the advice is what is checked).
+# A tensor of 8 MiB: PyTorch's allocator advises huge pages for it where THP_MEM_ALLOC_ENABLE is set. smaps
+# shows the advice as the mapping's "hg" flag (whether the kernel then backs it with huge pages depends on its
+# THP mode and free memory, so the advice is what is checked).
 HUGE = """import engine, torch
 from engine.hwinfo import software
 x = torch.ones(2 << 20)
-p, flags = x.data_ptr(), ''
+p, flags, inside = x.data_ptr(), '', False
 lines = open('/proc/self/smaps').read().splitlines()
 for i, line in enumerate(lines):
     head = line.split()
@@ -84,12 +85,12 @@ for i, line in enumerate(lines):
     elif inside and line.startswith('VmFlags:'):
         flags = line
 print(' hg' in flags, software()['huge_pages'], sep='|')
-""".replace("import engine, torch", "import engine, torch\ninside = False")
+"""
 
 
-def _huge(**env: str) -> list[str]:
+def _huge(code: str = HUGE, **env: str) -> list[str]:
     base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    return subprocess.run([sys.executable, "-c", HUGE], env={**base, **env}, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           timeout=120, check=True).stdout.strip().split("|")
 
 
@@ -102,8 +103,5 @@ def test_engine_asks_pytorch_for_huge_pages_for_its_large_tensors_and_records_it
 def test_huge_pages_the_user_turned_off_stay_off_and_torch_first_is_recorded():
     advised, record = _huge(THP_MEM_ALLOC_ENABLE="0")
     assert advised == "False" and record.startswith("THP_MEM_ALLOC_ENABLE=0 (environment; kernel THP ")
-    code = HUGE.replace("import engine, torch\n", "import torch, engine\n")
-    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=120,
-                         check=True).stdout.strip().split("|")
+    out = _huge(HUGE.replace("import engine, torch\n", "import torch, engine\n"))
     assert out[0] == "False" and out[1].startswith("off (torch was imported before the engine; kernel THP ")
