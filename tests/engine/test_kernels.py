@@ -343,26 +343,36 @@ def test_decode_attention_reads_the_cache_in_place(window):
         _ops().decode_attention(q, kc, vc, slots, torch.tensor([7, 33]), window, 0.25)
 
 
+@pytest.mark.parametrize("variant", kernels.ISA_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128, 80, 8, 12])
-def test_decode_attention_matches_softmax_at_every_head_size(head_dim, dtype):
-    """Head sizes of 8 lanes and more (the vector path: 64, 128, one of 64 + 16, one of 8) and one that is
-    not a multiple of 8 (the scalar loop); groups of 1 to 6 query heads; lengths of 1, not a multiple of 8,
-    and the whole cache; with and without a window."""
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 8, 24, 12])
+def test_decode_attention_matches_softmax_at_every_head_size(variant, head_dim, dtype):
+    """On every variant this CPU runs (each its own kernel or its fallback's: AVX-512 16 lanes at a time,
+    AVX2 8, scalar): head sizes of 8 lanes and more (64, 128, one of 64 + 16, and 8 and 24, which leave 8
+    lanes over 16) and one that is not a multiple of 8 (the scalar loop); groups of 1 to 6 query heads (the
+    AVX-512 outputs take 4 heads at a time); lengths of 1, not a multiple of 8 or 16, and the whole cache;
+    with and without a window."""
+    if _refused(variant):
+        return
     g = torch.Generator().manual_seed(head_dim)
-    for group in (1, 4, 6):
-        for window in (0, 7):
-            kc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
-            vc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
-            q = torch.randn(3, 2 * group, head_dim, generator=g)
-            slots, lens = torch.tensor([2, 0, 1]), torch.tensor([300, 1, 13])
-            got = _ops().decode_attention(q, kc, vc, slots, lens, window, 0.3)
-            for b in range(3):
-                lo = max(0, int(lens[b]) - window) if window else 0
-                k = kc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
-                v = vc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
-                ref = torch.softmax(q[b][:, None, :] @ k.transpose(1, 2) * 0.3, dim=-1) @ v
-                torch.testing.assert_close(got[b], ref[:, 0], rtol=1e-5, atol=1e-5)
+    op = _ops()
+    try:
+        op.set_isa(variant)
+        for group in (1, 4, 6):
+            for window in (0, 7):
+                kc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
+                vc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
+                q = torch.randn(3, 2 * group, head_dim, generator=g)
+                slots, lens = torch.tensor([2, 0, 1]), torch.tensor([300, 1, 13])
+                got = op.decode_attention(q, kc, vc, slots, lens, window, 0.3)
+                for b in range(3):
+                    lo = max(0, int(lens[b]) - window) if window else 0
+                    k = kc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
+                    v = vc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
+                    ref = torch.softmax(q[b][:, None, :] @ k.transpose(1, 2) * 0.3, dim=-1) @ v
+                    torch.testing.assert_close(got[b], ref[:, 0], rtol=1e-5, atol=1e-5)
+    finally:
+        op.set_isa("auto")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
