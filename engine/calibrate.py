@@ -278,7 +278,7 @@ def _path_table(times: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict
 
     runnable, amx = kernels.variants()["runnable"], kernels.amx_present()
     return kernels.choose_paths({prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, runnable, amx)}
-                                 for prec, by in times.items() if prec in kernels.PRECISIONS})
+                                 for prec, by in times.items() if prec in kernels.PRECISIONS}, modes=kernels.modes())
 
 
 def _measure_kernel_paths() -> dict[str, Any]:

@@ -212,7 +212,10 @@ class Engine:
 
     def _setup_experts(self) -> None:
         """Build the hybrid expert executor for non-plain configs (re-planned on every reconfigure)."""
+        from engine import kernels
+
         self._apply_dense(self.config)
+        kernels.set_int8_activations(self.config.experts.int8_activations)  # the int8 products' arithmetic
         old = self.model.hybrid
         if old is not None:
             old.close()

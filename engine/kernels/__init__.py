@@ -255,8 +255,12 @@ def arithmetic(path: str) -> str:
     return ARITHMETIC.get(mode, mode)
 
 
-def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS
-                 ) -> dict[str, dict[str, object]]:
+#: PyTorch paths that multiply the fp32 activations as they are (torch:quant rounds them to bf16; torch:bf16 too).
+FP32_TORCH_PATHS = ("torch:widen",)
+
+
+def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS,
+                 modes: dict[str, str] | None = None) -> dict[str, dict[str, object]]:
     """The path table from measured times (pure: no torch, no device). ``times_s[precision][path][str(T)]``
     is the best time of one product of ``T`` tokens.
 
@@ -268,6 +272,9 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
     tok/s on vdpbf16ps: one arithmetic with both modes in it takes each where it is fastest.) int4 is
     all-native or all-PyTorch (the two read different layouts), decided at one token (decode).
     ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
+    ``modes``: the arithmetic a precision must take (``{"int8": "f32"}``: fp32 activations on int8 weights,
+    :func:`set_int8_activations`), whatever is fastest; its PyTorch paths are then only those that keep the
+    fp32 activations (:data:`FP32_TORCH_PATHS`) where that arithmetic is ``f32``.
     """
     bounds = _boundaries(points)
     table: dict[str, dict[str, object]] = {}
@@ -281,6 +288,11 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
                        for n in points)
 
         mode = min(sorted({arithmetic(p) for p in native}), key=slowdown)
+        wanted = (modes or {}).get(prec)
+        if wanted is not None and any(arithmetic(p) == wanted for p in native):
+            mode = wanted
+            if wanted == "f32":
+                torch_paths = {p: t for p, t in torch_paths.items() if p in FP32_TORCH_PATHS}
         mine = {p: t for p, t in native.items() if arithmetic(p) == mode}
         native_best = [min(mine, key=lambda p, n=n: mine[p][str(n)]) for n in points]
         if prec == "int4":
@@ -308,6 +320,28 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
 
 
 _forced: dict[str, str] = {}
+#: The arithmetic int8 weights' products take (experts.int8_activations): "f32" (fp32 activations, the
+#: weights widened in registers) or "q8" (activations quantized per block of 32, llama.cpp's q8_0 arithmetic).
+_modes: dict[str, str] = {"int8": "f32"}
+
+
+def modes() -> dict[str, str]:
+    """The arithmetic each precision must take where it is not the fastest's (:func:`choose_paths`)."""
+    return dict(_modes)
+
+
+def set_int8_activations(activations: str) -> None:
+    """How int8 weights meet the activations (the engine applies ``experts.int8_activations``): ``fp32``, the
+    f32 mode (the products of the int8 weights alone: top-1 agreement 0.996 with int8 experts on the medium
+    preset, where q8 gave 0.988 on an AMX Xeon, 2026-12-05); ``int8``, the q8 mode, activations quantized per
+    token in blocks of 32 (faster where products are compute-bound: batch-32 decode 346 -> 393 tok/s there).
+    The path table is chosen again (from the cached times) when this changes."""
+    if activations not in ("fp32", "int8"):
+        raise ValueError(f"int8 activations {activations!r}: expected fp32 or int8")
+    mode = "f32" if activations == "fp32" else "q8"
+    if _modes.get("int8") != mode:
+        _modes["int8"] = mode
+        _state.pop("paths_threads", None)
 
 
 @contextmanager

@@ -163,7 +163,7 @@ def test_inert_knobs_without_gpu():
     assert "execution.expert_sm_share" in inert and "execution.decode_attention" in inert
     assert "runtime.dense_precision" not in inert
     # With a GPU the model runs there: only the native CPU kernels' knobs are inert.
-    assert set(inert_knobs(has_gpu=True)) == {"runtime.dense_precision"}
+    assert set(inert_knobs(has_gpu=True)) == {"runtime.dense_precision", "experts.int8_activations"}
 
 
 def test_a_cpu_fast_tier_version_in_the_hosts_dtype_is_the_host_tensors():

@@ -1042,6 +1042,26 @@ def test_choose_paths_takes_vdpbf16ps_and_amx_tiles_as_one_arithmetic():
     assert kernels.choose_paths(times, pts)["bf16"]["ranges"] == [[128, "avx512:f32"], [None, "torch:bf16"]]
 
 
+
+def test_choose_paths_takes_the_arithmetic_a_precision_must_take():
+    """``modes`` (experts.int8_activations=fp32): int8 takes the f32 arithmetic (fp32 activations) where q8
+    is faster at every count, and no PyTorch path that rounds the activations (torch:quant); without it the
+    fastest arithmetic wins as before. An arithmetic the precision has no path of is ignored (int4: q8 only)."""
+    pts = (1, 4, 16, 64, 256)
+
+    def t(*v):
+        return {str(p): x for p, x in zip(pts, v, strict=True)}
+
+    times = {"int8": {"avx512:f32": t(30, 40, 150, 600, 2400), "avx512_vnni:q8": t(25, 30, 60, 200, 800),
+                      "torch:quant": t(90, 90, 100, 150, 300)},
+             "int4": {"avx512_vnni:q8": t(20, 25, 50, 180, 700), "torch:quant": t(60, 60, 80, 120, 250)}}
+    fastest = kernels.choose_paths(times, pts)
+    assert fastest["int8"]["mode"] == "q8" and fastest["int8"]["ranges"][-1] == [None, "torch:quant"]
+    exact = kernels.choose_paths(times, pts, modes={"int8": "f32", "int4": "f32"})
+    assert exact["int8"]["mode"] == "f32" and exact["int8"]["ranges"] == [[None, "avx512:f32"]]
+    assert exact["int8"]["crossover_tokens"] is None and exact["int4"] == fastest["int4"]
+
+
 def test_paths_are_measured_once_and_reported():
     import time
 
@@ -1058,7 +1078,7 @@ def test_paths_are_measured_once_and_reported():
     calibrate._save(data)
     assert calibrate.kernel_paths()["table"] == first["table"] == kernels.choose_paths(
         {prec: {p: ts for p, ts in by.items() if p in kernels.candidate_paths(prec, _runnable(), kernels.amx_present())}
-         for prec, by in first["times_s"].items() if prec in kernels.PRECISIONS})
+         for prec, by in first["times_s"].items() if prec in kernels.PRECISIONS}, modes=kernels.modes())
     rep = kernels.dispatch_report()
     assert rep["available"] and rep["isa"] == kernels.status()["isa"] and rep["runnable"] == _runnable()
     for prec in kernels.PRECISIONS:
@@ -1110,6 +1130,34 @@ def test_bf16_kv_cache_halves_the_cache_at_a_measured_cost(make_ckpt, cpu_kernel
     res = evaluate(bf16, PROMPTS)  # against the fp32 reference, whose KV cache is fp32
     assert res["top1_agreement"] > 0.9 and res["mean_kl"] > 0
 
+
+def test_int8_activations_choose_how_int8_experts_meet_the_activations(make_ckpt):
+    """experts.int8_activations: fp32 (the default) runs int8 experts on the f32 mode at every token count,
+    int8 on the q8 mode (activations quantized per block of 32); reconfigure switches the path table, the
+    results record it (the dispatch summary), and the two arithmetics score differently against the fp32
+    reference."""
+    from engine.quality import evaluate
+
+    path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=5)
+    eng = Engine(path, EngineConfig().replace(compute_dtype="float32", hi_precision="int8", max_batch_seqs=2))
+
+    def int8_paths() -> str:
+        return kernels.dispatch_summary().split("; int8 ")[1].split(";")[0]
+
+    try:
+        assert kernels.modes()["int8"] == "f32"
+        assert all(kernels.path("int8", n).endswith(":f32") for n in (1, 3, 16, 64, 1000))
+        assert ":f32" in int8_paths() and ":q8" not in int8_paths()
+        exact = evaluate(eng, PROMPTS)
+        eng.reconfigure(eng.config.replace(int8_activations="int8"))
+        assert kernels.modes()["int8"] == "q8"
+        assert all(kernels.path("int8", n).endswith(":q8") for n in (1, 3, 16, 64))
+        assert ":q8" in int8_paths() and ":f32" not in int8_paths()
+        quantized = evaluate(eng, PROMPTS)
+    finally:
+        eng.reconfigure(eng.config.replace(int8_activations="fp32"))
+    assert kernels.modes()["int8"] == "f32"
+    assert exact["mean_kl"] != quantized["mean_kl"]
 
 def test_a_moe_on_tiles_runs_its_experts_of_few_tokens_on_vdpbf16ps_as_measured():
     """calibrate.moe_vector_tokens: the fused MoE timed cold on each mode, every expert at n tokens; the
