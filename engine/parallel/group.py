@@ -323,6 +323,7 @@ def _worker_entry(index: int, setup_json: str) -> None:
 
 def follow(setup: RankSetup, rank: int) -> None:
     """Rank ``rank``'s life: join the group, build its part of the model, run rank 0's commands."""
+    from engine import kernels
     from engine.config import EngineConfig
     from engine.model.checkpoint import Checkpoint
     from engine.model.decoder import KVCache, MoEDecoder, Segment, StepBatch
@@ -340,6 +341,7 @@ def follow(setup: RankSetup, rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = EngineConfig.from_dict(setup.config, source="rank setup")
+    kernels.set_int8_activations(config.experts.int8_activations)  # as rank 0's engine (Engine._setup_experts)
     ckpt = Checkpoint(setup.model)
     dtype, weight_dtype = torch_dtype(setup.dtype), torch_dtype(setup.weight_dtype)
     model = MoEDecoder(ckpt, dtype, device, weight_dtype=weight_dtype, load_experts=False)
@@ -368,6 +370,7 @@ def follow(setup: RankSetup, rank: int) -> None:
             blob = torch.empty(fields[0], dtype=torch.uint8)
             dist.broadcast(blob, 0, group=commands)
             config = EngineConfig.from_dict(json.loads(bytes(blob.numpy()).decode()), source="rank 0")
+            kernels.set_int8_activations(config.experts.int8_activations)
             model.top_k_override = config.routing.top_k_override
             model.min_gate_weight = config.routing.min_gate_weight
         elif cmd == CMD_PLACE:
