@@ -326,7 +326,7 @@ _modes: dict[str, str] = {"int8": "f32"}
 
 
 def modes() -> dict[str, str]:
-    """The arithmetic each precision must take where it is not the fastest's (:func:`choose_paths`)."""
+    """The arithmetic a precision must take, whichever is fastest (``choose_paths(modes=)``)."""
     return dict(_modes)
 
 

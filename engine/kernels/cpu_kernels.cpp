@@ -436,6 +436,11 @@ inline void store_act(float* g, const float* u, int64_t r0, int64_t rows, int64_
     for (int64_t t = 0; t < n; ++t) put_act(g[r * n + t], act + t * inter + r0 + r);
 }
 
+// One (sequence, KV head) of decode attention (decode_attention_impl), as a variant compiles it: queries qg
+// [group, d], cached K and V rows (fp32 or bf16) read over [lo, len), scale, out og [group, d], scratch w.
+using AttendKernel = void (*)(const float*, const void*, const void*, int64_t, int64_t, int64_t, int64_t, float,
+                              float*, float*);
+
 #define MOETUNE_VARIANT_BODY 1
 namespace v_scalar {
 #define MT_ISA MT_SCALAR
@@ -546,8 +551,7 @@ const CpuFeatures& cpu() {
 
 using LinearFn = bool (*)(Kind, const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, const float*, float*);
 using MoeFn = bool (*)(Kind, const MoeJob&, float*);
-using AttendFn = bool (*)(const float*, const void*, const void*, bool, int64_t, int64_t, int64_t, int64_t, float,
-                          float*, float*);
+using AttendFn = AttendKernel (*)(int64_t d, bool bf16);  // nullptr: no kernel for that head size
 
 struct Variant {
   const char* name;
@@ -1366,6 +1370,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
   const C* vp = static_cast<const C*>(vc.data_ptr());
   float* op = out.data_ptr<float>();
   // Each cached key and value row is read once for the whole group of query heads that share it.
+  AttendKernel kernel = nullptr;  // the default variant's, else its fallbacks'; none: the scalar loop below
+  for (int v = default_variant(); v >= 0 && !kernel; v = all_variants()[v].fallback)
+    kernel = all_variants()[v].attend(d, !std::is_same_v<C, float>);
   const int nt = at::get_num_threads();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && B * KV > 1)
   for (int64_t bh = 0; bh < B * KV; ++bh) {
@@ -1376,10 +1383,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::
     const float* qg = qp + (b * Hq + g * group) * d;  // the group's query heads, [group, d]
     float* og = op + (b * Hq + g * group) * d;
     const Scratch<float> w(kAttendWeights, group * (n + 1));  // scores [group, n], then weights; group sums
-    bool done = false;
-    for (int v = default_variant(); v >= 0 && !done; v = all_variants()[v].fallback)
-      done = all_variants()[v].attend(qg, K, V, !std::is_same_v<C, float>, group, d, lo, len, sc, og, w.data());
-    if (done) continue;
+    if (kernel) {
+      kernel(qg, K, V, group, d, lo, len, sc, og, w.data());
+      continue;
+    }
     for (int64_t j = lo; j < len; ++j) {
       const C* kj = K + j * d;
       for (int64_t h = 0; h < group; ++h) w[h * n + j - lo] = dot_cache(qg + h * d, kj, d) * sc;
@@ -2424,8 +2431,9 @@ void moe_kind(const MoeJob& j, float* op) {
 
 
 // ---- decode attention: one (sequence, KV head) of decode_attention, the query heads of its group
-// against cached rows [lo, len) of K and V (fp32, or bf16 widened exactly). False where this variant has
-// no kernel for the head size: its fallback's, else the scalar loop in decode_attention_impl, serves it.
+// against cached rows [lo, len) of K and V (fp32, or bf16 widened exactly). `attend` hands out the kernel for
+// a head size, or nullptr where this variant has none: its fallback's, else the scalar loop in
+// decode_attention_impl, serves it.
 #if MT_ISA == MT_AVX2 || MT_ISA == MT_AVX512
 // [p, p + bytes) into L2 (prefetcht1), a line at a time.
 inline void prefetch_l2(const void* p, int64_t bytes) {
@@ -2577,15 +2585,6 @@ void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t
   if (c < d) weighted_heads16<1>(w, n, Vlo, d, c, group, inv, og, 0xFF);
 }
 
-bool attend(const float* qg, const void* K, const void* V, bool bf16, int64_t group, int64_t d, int64_t lo,
-            int64_t len, float sc, float* og, float* w) {
-  if (d % 8) return false;
-  if (bf16)
-    attend_rows(qg, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), group, d, lo, len, sc, og, w);
-  else
-    attend_rows(qg, static_cast<const float*>(K), static_cast<const float*>(V), group, d, lo, len, sc, og, w);
-  return true;
-}
 #elif MT_ISA == MT_AVX2
 // Eight fp32 lanes of cached keys or values (bf16: widened exactly).
 inline __m256 cache8(const float* p) { return _mm256_loadu_ps(p); }
@@ -2622,8 +2621,8 @@ inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, floa
 // (decode_attention_impl) chains one accumulator per dot product, bound by the FMA latency: medium preset
 // (4 heads a KV head, d = 64, 200 positions), one core of a 2-core AMD EPYC (AVX2): 13-20 -> 7-9 us an item.
 template <typename C>
-void attend_group(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
-                  float sc, float* og, float* w) {
+void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
+                 float sc, float* og, float* w) {
   const int64_t n = len - lo;
   const int64_t row = d * static_cast<int64_t>(sizeof(C));
   prefetch_l2(K + lo * d, std::min(kAttendAhead, n) * row);
@@ -2660,19 +2659,21 @@ void attend_group(const float* qg, const C* K, const C* V, int64_t group, int64_
   }
 }
 
-bool attend(const float* qg, const void* K, const void* V, bool bf16, int64_t group, int64_t d, int64_t lo,
-            int64_t len, float sc, float* og, float* w) {
-  if (d % 8) return false;
-  if (bf16)
-    attend_group(qg, static_cast<const uint16_t*>(K), static_cast<const uint16_t*>(V), group, d, lo, len, sc, og, w);
-  else
-    attend_group(qg, static_cast<const float*>(K), static_cast<const float*>(V), group, d, lo, len, sc, og, w);
-  return true;
+#endif
+
+#if MT_ISA == MT_AVX2 || MT_ISA == MT_AVX512
+template <typename C>
+void attend_kernel(const float* qg, const void* K, const void* V, int64_t group, int64_t d, int64_t lo, int64_t len,
+                   float sc, float* og, float* w) {
+  attend_rows(qg, static_cast<const C*>(K), static_cast<const C*>(V), group, d, lo, len, sc, og, w);
+}
+
+AttendKernel attend(int64_t d, bool bf16) {  // both kernels take 8 lanes at a time at least
+  if (d % 8) return nullptr;
+  return bf16 ? &attend_kernel<uint16_t> : &attend_kernel<float>;
 }
 #else
-bool attend(const float*, const void*, const void*, bool, int64_t, int64_t, int64_t, int64_t, float, float*, float*) {
-  return false;
-}
+AttendKernel attend(int64_t, bool) { return nullptr; }
 #endif
 
 #if MT_ISA == MT_AMX
