@@ -194,8 +194,8 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
-_KERNEL_PATHS_VERSION = 3  # of the measurement below: a change re-measures
-_KERNEL_POOL = 16  # distinct matrices cycled through, so that a one-token product is not served from L1/L2
+_KERNEL_PATHS_VERSION = 4  # of the measurement below: a change re-measures
+_KERNEL_POOL = 16  # distinct matrices cycled through, each evicted from the caches before its timed call
 
 
 def kernel_paths() -> dict[str, Any]:
@@ -222,10 +222,10 @@ def moe_vector_tokens() -> int:
     kernel build: 0 where tiles are not the bf16 MoE's path or vdpbf16ps is never faster.
 
     Timed on the fused MoE itself, every expert at exactly n tokens, with its weights evicted from the caches
-    before each call, as a decode step reads them from memory. (The path table's products are timed on a
-    pool of weights a large L3 holds: on a 2-core AMX Xeon with 480 MB of L3, 2026-12-05, they put tiles
-    ahead of vdpbf16ps from 3 tokens, where a MoE layer from memory at 4 tokens an expert read 24 GB/s on
-    vdpbf16ps and 19.6 on tiles; at 16 tokens 8.6 against 13.8.)"""
+    before each call, as a decode step reads them from memory. (The path table's products were timed on a
+    pool of weights a large L3 holds until kernel paths v4: on a 2-core AMX Xeon with 480 MB of L3,
+    2026-12-05, they put tiles ahead of vdpbf16ps from 3 tokens, where a MoE layer from memory at 4 tokens an
+    expert read 24 GB/s on vdpbf16ps and 19.6 on tiles; at 16 tokens 8.6 against 13.8.)"""
     from engine import kernels
 
     if kernels.load() is None or "amx" not in kernels.variants()["runnable"]:
@@ -233,7 +233,7 @@ def moe_vector_tokens() -> int:
     if not any(str(p).endswith(":tile") for _, p in kernels.prepare()["bf16"]["native_ranges"]):  # type: ignore[union-attr]
         return 0
     build = Path(str(kernels.status()["library"])).parent.name
-    got = cached(f"moe_vector_tokens:v1:{build}", _measure_moe_modes)
+    got = cached(f"moe_vector_tokens:v2:{build}", _measure_moe_modes)
     log.info("MoE experts on vdpbf16ps up to %d tokens, AMX tiles above: %s", got["tokens"], got["times_s"])
     return int(got["tokens"])
 
@@ -254,8 +254,8 @@ def _measure_moe_modes() -> dict[str, Any]:
         ids = (torch.arange(n * n_exp) % n_exp)[:, None]  # every expert n tokens
         gates = torch.ones(n * n_exp, 1)
         best = dict.fromkeys(paths, float("inf"))
-        for _ in range(5):  # interleaved rounds, the best call: the machine may be shared
-            for m, p in paths.items():
+        for _ in range(9):  # interleaved rounds, the best call: the machine may be shared (tiles prefetching
+            for m, p in paths.items():  # ahead run 2-4 tokens about as fast as vdpbf16ps: 5 rounds chose 1-4)
                 ops.evict(w13)
                 ops.evict(w2)
                 t = time.perf_counter()
@@ -297,6 +297,21 @@ def _measure_kernel_paths() -> dict[str, Any]:
     int4_native = [quant.quantize(w, "int4", group, native=True) for w in base]
     int4_torch = [quant.quantize(w, "int4", group) for w in base]
 
+    def evict(prec: str, p: str, i: int) -> None:
+        """Pool matrix i of the path's precision out of the caches: decode reads its weights from memory (a
+        pool that a large L3 holds ranked the paths as read from cache: on the AMX Xeon, 2026-12-05, tiles
+        with prefetches ahead took bf16 at one token from vdpbf16ps, and a batch-1 decode step went from
+        19.9 to 21.9 ms)."""
+        if prec in half:
+            ops.evict(half[prec][i])
+        elif prec == "fp32":
+            ops.evict(full[i % len(full)])
+        else:
+            q = (int8 if prec == "int8" else int4_torch if p == "torch:quant" else int4_native)[i]
+            for t in (q.data, q.scales):
+                if t is not None and t.is_contiguous():
+                    ops.evict(t)
+
     def runner(prec: str, p: str):
         if prec in half:
             ws = half[prec]
@@ -332,6 +347,7 @@ def _measure_kernel_paths() -> dict[str, Any]:
             for prec, ps in cands.items():
                 for p, f in ps.items():
                     for i in range(reps):
+                        evict(prec, p, i % _KERNEL_POOL)
                         t = time.perf_counter()
                         f(x, xb, i % _KERNEL_POOL)
                         best[(prec, p)] = min(best[(prec, p)], time.perf_counter() - t)

@@ -481,13 +481,19 @@ def moe_path(precision: str, tokens_per_expert: float, hidden: int, inter: int) 
     On AMX tiles each expert takes the mode of its own token count: ``variant:tile/N`` runs the experts
     routed at most N tokens on vdpbf16ps (one arithmetic, :data:`ARITHMETIC`), N measured on this machine
     (:func:`engine.calibrate.moe_vector_tokens`). Routing is skewed: at batch 32 of the medium preset an
-    expert sees 7.6 tokens on average, some 1 and others 30."""
+    expert sees 7.6 tokens on average, some 1 and others 30. So where tiles are bf16's native path at any
+    token count, the MoE takes ``variant:tile/N`` whatever the average: the dense products' crossover (where
+    vdpbf16ps leads up to 8 tokens) would run every expert, the one with 30 tokens too, on vdpbf16ps (AMX
+    Xeon, 2026-12-05, medium preset at batch 32: 370 -> 285 tok/s)."""
     p = _fit(native_path(precision, max(1, round(tokens_per_expert))), min(hidden, inter))
-    if precision != "bf16" or precision in _forced or not p.endswith(":tile"):
+    if precision != "bf16" or precision in _forced:
         return p
-    prepare()
+    ranges = prepare()[precision]["native_ranges"]
+    tile = next((_fit(q, min(hidden, inter)) for _, q in ranges if q.endswith(":tile")), "")  # type: ignore[union-attr]
+    if not tile.endswith(":tile"):
+        return p
     n = int(_state.get("moe_vector_tokens", 0))  # type: ignore[arg-type]
-    return f"{p}/{n}" if n else p
+    return f"{tile}/{n}" if n else tile
 
 
 def moe(h: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,

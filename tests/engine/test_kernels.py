@@ -1181,6 +1181,9 @@ def test_a_moe_on_tiles_runs_its_experts_of_few_tokens_on_vdpbf16ps_as_measured(
         assert times["bf16dp"][str(nxt)] >= times["tile"][str(nxt)]
     tile_at = next(t for t in (3, 4, 8, 16, 32) if kernels.native_path("bf16", t).endswith(":tile"))
     assert kernels.moe_path("bf16", tile_at, 1024, 384) == kernels.native_path("bf16", tile_at) + (f"/{n}" if n else "")
+    # whatever the experts' average: the dense products' crossover does not put a MoE's experts of many
+    # tokens on vdpbf16ps
+    assert kernels.moe_path("bf16", 1, 1024, 384) == kernels.moe_path("bf16", tile_at, 1024, 384)
     assert kernels.dispatch_report()["moe_vector_tokens"] == n
     with kernels.forced_paths(bf16="amx:tile"):  # a forced path is taken as it is
         assert kernels.moe_path("bf16", tile_at, 1024, 384) == "amx:tile"
