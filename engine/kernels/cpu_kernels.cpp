@@ -337,9 +337,11 @@ inline int64_t most_tokens(const Routes& R, int64_t E) {
   return most;
 }
 
-inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads) {
+// most_run: the most tokens an expert may have for runs (kTokBlock for rows_times_tokens; moe_tile reads each
+// block of rows once for all its tokens, so it takes runs up to kTileRunTokens).
+inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads, int64_t most_run = kTokBlock) {
   const int64_t most = most_tokens(R, E);
-  if (most == 0 || most > kTokBlock) return {};
+  if (most == 0 || most > most_run) return {};
   const int64_t items = 4 * std::max(n_threads, 1);  // a few items a thread: the dynamic schedule balances
   return {true, (R.P * inter + items - 1) / items, (R.P * H + items - 1) / items};
 }
@@ -2867,6 +2869,12 @@ void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, co
 
 // moe_kind's two phases on tiles, split among threads as moe_kind splits them (Spans); each expert's tokens
 // are packed once per phase.
+// Up to how many tokens an expert moe_tile takes runs (Spans): tile_rows reads a block of rows once for all
+// the tokens, so an expert of more tokens than kTokBlock needs no short items; above this count phase 2's
+// buffer (a row of H floats a slot) grows large, and short items sum into the output instead. A 128-token
+// prompt always had an expert of more than 64 tokens (medium preset: 71-126 in the 16 layers of one).
+constexpr int64_t kTileRunTokens = 256;
+
 void moe_tile(const MoeJob& j, float* op) {
   const Routes& R = *j.routes;
   const int64_t P = R.P, H = j.H, inter = j.inter, E = static_cast<int64_t>(j.w13.size());
@@ -2884,14 +2892,24 @@ void moe_tile(const MoeJob& j, float* op) {
   pack(xs.data(), H);
   const Scratch<uint16_t> act(kActivations, P * inter);  // phase 1's activations, as bf16 rows
   const int n_threads = at::get_num_threads();
-  const Spans sp = moe_spans(R, E, inter, H, n_threads);
+  const Spans sp = moe_spans(R, E, inter, H, n_threads, kTileRunTokens);
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
   const int64_t n_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items > 1)
+  // Short items (32 rows, where an expert has more tokens than a block) go 4 at a time to a thread, so that an
+  // item's up rows prefetch the next item's gate rows (tile_rows); runs go one at a time, for the balance.
+  const int64_t chunk = sp.runs ? 1 : 4, n_chunks = (n_items + chunk - 1) / chunk;
+  auto gate_rows = [&](int64_t it) {  // an item's first block of gate rows
+    const ExpertRows& item = items[it];
+    const Mat& w13 = j.w13[item.e];
+    return rows_ahead(static_cast<const uint16_t*>(w13.w) + item.r0 * w13.ld, std::min<int64_t>(32, item.r1 - item.r0),
+                      w13.ld);
+  };
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_chunks > 1)
   {
     TileState ts;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
+    for (int64_t ci = 0; ci < n_chunks; ++ci)
+    for (int64_t it = ci * chunk; it < std::min(n_items, (ci + 1) * chunk); ++it) {
       const ExpertRows& item = items[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
       const uint32_t* b = bp.data() + p0 * H / 2;
@@ -2913,7 +2931,8 @@ void moe_tile(const MoeJob& j, float* op) {
       auto up_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
         put_rows(u.data() + (r - inter - item.r0) * n, n, t0, ng, c);
       };
-      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put);
+      const Ahead next = it + 1 < std::min(n_items, (ci + 1) * chunk) ? gate_rows(it + 1) : Ahead{};
+      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put, next);
       store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
     }
   }
@@ -2945,9 +2964,15 @@ void moe_tile(const MoeJob& j, float* op) {
   }
   parallel_chunks(H, 32, [&](int64_t r0, int64_t r1) {
     TileState ts;
-    for (int64_t e = 0; e < E; ++e) {
+    int64_t e = 0;
+    while (e < E && R.offset[e + 1] == R.offset[e]) ++e;
+    while (e < E) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
-      if (n == 0) continue;
+      int64_t next = e + 1;  // the next expert with tokens: its rows r0.. are prefetched while these run
+      while (next < E && R.offset[next + 1] == R.offset[next]) ++next;
+      const Ahead after = next < E ? rows_ahead(static_cast<const uint16_t*>(j.w2[next].w) + r0 * j.w2[next].ld, r1 - r0,
+                                                j.w2[next].ld)
+                                   : Ahead{};
       auto sink = [&](int64_t r, int64_t t, float v) { op[R.tok[p0 + t] * H + r] += R.gate[p0 + t] * v; };
       auto put = [&](int64_t r, int64_t t0, int ng, const float* c) {
         for (int t = 0; t < ng; ++t) {
@@ -2956,7 +2981,8 @@ void moe_tile(const MoeJob& j, float* op) {
         }
       };
       if (n <= j.small) rows_times_tokens<Kind::Bf16Dp>(j.w2[e], r0, r1, as.acts.data() + p0, n, inter, 0, sink);
-      else tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put);
+      else tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put, after);
+      e = next;
     }
   });
 }

@@ -847,13 +847,15 @@ MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp1
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
-@pytest.mark.parametrize("tokens", [70, 40, 23, 2, 1])
+@pytest.mark.parametrize("tokens", [300, 70, 40, 23, 2, 1])
 def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
     """Many experts, some unrouted (None), a skipped slot, uneven tokens per expert. Up to 64 tokens an
     expert the work is split in runs of one expert's rows (moe_spans): at 1, 2 and 23 tokens one run an
     expert and phase; at 40 every token also routes to expert 0, whose runs are split to balance the
-    threads; at 70 expert 0 has more tokens than a token block, and the items are short blocks of rows. An
-    expert with one token reads its rows as several streams."""
+    threads; at 70 expert 0 has more tokens than a token block, and the vector kinds' items are short blocks
+    of rows (tiles still take runs, up to 256 tokens an expert); at 300 the tiles' items are short blocks too,
+    4 to a thread at a time, each prefetching the next one's rows. An expert with one token reads its rows as
+    several streams."""
     if _refused(variant):
         return
     from engine.moe import quant
