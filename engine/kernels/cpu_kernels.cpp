@@ -339,7 +339,8 @@ inline int64_t most_tokens(const Routes& R, int64_t E) {
 
 // most_run: the most tokens an expert may have for runs (kTokBlock for rows_times_tokens; moe_tile reads each
 // block of rows once for all its tokens, so it takes runs up to kTileRunTokens).
-inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads, int64_t most_run = kTokBlock) {
+inline Spans moe_spans(const Routes& R, int64_t E, int64_t inter, int64_t H, int n_threads,
+                       int64_t most_run = kTokBlock) {
   const int64_t most = most_tokens(R, E);
   if (most == 0 || most > most_run) return {};
   const int64_t items = 4 * std::max(n_threads, 1);  // a few items a thread: the dynamic schedule balances
@@ -2733,8 +2734,6 @@ inline void pack_tokens(const Act* x, int64_t n, int64_t K, uint32_t* bp) {
   }
 }
 
-// c[(g * 2 + h) * 256 + i * 16 + t] = dot(weight row r + 16 h + i, token t of group g), for NR blocks of
-// 16 rows from w (ld values a row) and NG token groups b[g] of n[g] tokens.
 // Bytes a tile block prefetches into L2 while it runs: the rows the thread reads next (tile_rows).
 struct Ahead {
   const char* p = nullptr;
@@ -2745,6 +2744,8 @@ inline Ahead rows_ahead(const uint16_t* w, int64_t rows, int64_t ld) {
   return {reinterpret_cast<const char*>(w), (rows * ld * 2 + 63) / 64};
 }
 
+// c[(g * 2 + h) * 256 + i * 16 + t] = dot(weight row r + 16 h + i, token t of group g), for NR blocks of
+// 16 rows from w (ld values a row) and NG token groups b[g] of n[g] tokens; meanwhile `ahead` into L2.
 template <int NR, int NG>
 inline void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, const int* n, int64_t K, float* c,
                        Ahead ahead) {
@@ -2909,7 +2910,7 @@ void moe_tile(const MoeJob& j, float* op) {
   {
     TileState ts;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t ci = 0; ci < n_chunks; ++ci)
+    for (int64_t ci = 0; ci < n_chunks; ++ci)  // a chunk's items in order (the body keeps one indent)
     for (int64_t it = ci * chunk; it < std::min(n_items, (ci + 1) * chunk); ++it) {
       const ExpertRows& item = items[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
