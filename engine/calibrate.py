@@ -195,7 +195,7 @@ def expert_cost_model(spec, dtype: torch.dtype, device: torch.device):
 
 KERNEL_SHAPE = (768, 1024)
 """[out, in] of the matrices the kernel paths are timed on (an expert's gate+up of the medium preset)."""
-_KERNEL_PATHS_VERSION = 5  # of the measurement below: a change re-measures
+_KERNEL_PATHS_VERSION = 7  # of the measurement below: a change re-measures
 _KERNEL_POOL = 16  # distinct matrices cycled through, each evicted from the caches before its timed call
 
 
@@ -349,7 +349,7 @@ def _measure_kernel_paths() -> dict[str, Any]:
         # vdpbf16ps in one build in three, where from memory they are 10-19 % slower: /tmp script, medians of
         # 200-300 matrices, us, 1536 x 1024 135 against 150, 1024 x 1024 88 against 105, 32000 x 1024 2100
         # against 2300.)
-        for _ in range(5):
+        for _ in range(5 if n_tok <= 256 else 3):  # the long products take most of the time: fewer rounds
             for prec, ps in cands.items():
                 for p, f in ps.items():
                     calls = []

@@ -1186,6 +1186,8 @@ def test_a_moe_on_tiles_runs_its_experts_of_few_tokens_on_vdpbf16ps_as_measured(
     # whatever the experts' average: the dense products' crossover does not put a MoE's experts of many
     # tokens on vdpbf16ps
     assert kernels.moe_path("bf16", 1, 1024, 384) == kernels.moe_path("bf16", tile_at, 1024, 384)
+    # and a MoE on tiles stays one native call where the dense products cross over to oneDNN
+    assert all(kernels.fused_moe("bf16", t) for t in (1, tile_at, 512, 4096) if kernels.native_path("bf16", t).endswith(":tile"))
     assert kernels.dispatch_report()["moe_vector_tokens"] == n
     with kernels.forced_paths(bf16="amx:tile"):  # a forced path is taken as it is
         assert kernels.moe_path("bf16", tile_at, 1024, 384) == "amx:tile"
