@@ -277,6 +277,7 @@ struct Routes {
   std::vector<int64_t> offset, tok;
   std::vector<float> gate;
   int64_t P = 0;
+  std::vector<int64_t> fill;  // group_routes' next free slot of each expert
 };
 
 struct MoeJob {
@@ -781,10 +782,7 @@ inline void dots4f(const float* x, const float* w, int64_t ld, int64_t nr, int64
   }
 }
 
-void linear_f32(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void linear_f32(const float* xp, int64_t T, int64_t K, const float* wp, int64_t N, const float* bias, float* yp) {
   at::parallel_for(0, (N + 3) / 4, 8, [&](int64_t b0, int64_t b1) {
     float d[4];
     for (int64_t r = b0 * 4; r < std::min(N, b1 * 4); r += 4) {
@@ -804,31 +802,60 @@ const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t n) {
   return bias->data_ptr<float>();
 }
 
+// A matrix resolved for one path: what linear_q checks and parses about it, done once (the fused decode step
+// keeps one a matrix; linear_q resolves at each call).
+struct Product {
+  Mat m;
+  Path p{0, Kind::Bf16F32};
+  int64_t N = 0, K = 0, G = 0;
+  const float* bias = nullptr;
+  const float* f32 = nullptr;  // fp32 weights (routers): linear_f32's, no path
+  std::string path;
+};
+
+Product resolve_product(const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t group, int64_t n_out,
+                        int64_t K, const std::string& path, const std::optional<at::Tensor>& bias) {
+  const Fmt fmt = fmt_of(w);
+  TORCH_CHECK(w.dim() == 2 && (fmt == Fmt::I4 ? w.size(1) * 2 : w.size(1)) == K, "moetune::linear: inner size ", K,
+              " and weights ", w.sizes(), " do not match");
+  Product pr;
+  pr.N = fmt == Fmt::I4 ? n_out : w.size(0);
+  TORCH_CHECK(pr.N > 0 || fmt != Fmt::I4, "moetune::linear: int4 weights need n_out");
+  pr.K = K;
+  pr.G = group;
+  pr.bias = bias_ptr(bias, pr.N);
+  pr.path = path;
+  if (fmt == Fmt::F32) {
+    TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "moetune::linear: weights must be contiguous on the CPU");
+    pr.f32 = w.data_ptr<float>();
+    return pr;
+  }
+  if (fmt == Fmt::Bf16 || fmt == Fmt::F16) check_weight(w, "linear");
+  pr.p = parse_path(path, fmt);
+  pr.m = make_mat(w, scales.value_or(at::Tensor()), fmt, pr.N, K, group, pr.p.kind, "linear");
+  return pr;
+}
+
+// y [T, N] = x [T, K] times the product's matrix (transposed); acts: buffers for the prepared activations.
+void run_product(const Product& pr, const float* x, int64_t T, Prepared& acts, float* y) {
+  if (pr.f32) {
+    linear_f32(x, T, pr.K, pr.f32, pr.N, pr.bias, y);
+    return;
+  }
+  prepare(x, T, pr.K, pr.p.kind, pr.G, acts);
+  bool done = false;
+  for (int v = pr.p.variant; v >= 0 && !done; v = all_variants()[v].fallback)
+    done = all_variants()[v].linear(pr.p.kind, pr.m, pr.N, pr.K, pr.G, acts.acts.data(), T, pr.bias, y);
+  TORCH_CHECK(done, "moetune::linear: the ", all_variants()[pr.p.variant].name, " kernels have no path '", pr.path, "'");
+}
+
 at::Tensor linear_q(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scales, int64_t group,
                     int64_t n_out, const std::string& path, const std::optional<at::Tensor>& bias) {
   check_act(x, "linear");
-  const Fmt fmt = fmt_of(w);
-  const int64_t T = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.dim() == 2 && (fmt == Fmt::I4 ? w.size(1) * 2 : w.size(1)) == K, "moetune::linear: shapes ",
-              x.sizes(), " and ", w.sizes(), " do not match");
-  const int64_t N = fmt == Fmt::I4 ? n_out : w.size(0);
-  TORCH_CHECK(N > 0 || fmt != Fmt::I4, "moetune::linear: int4 weights need n_out");
-  const float* b = bias_ptr(bias, N);
-  at::Tensor y = at::empty({T, N}, x.options());
-  if (fmt == Fmt::F32) {
-    TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "moetune::linear: weights must be contiguous on the CPU");
-    linear_f32(x, w, b, y);
-    return y;
-  }
-  if (fmt == Fmt::Bf16 || fmt == Fmt::F16) check_weight(w, "linear");
-  const Path p = parse_path(path, fmt);
-  const Mat m = make_mat(w, scales.value_or(at::Tensor()), fmt, N, K, group, p.kind, "linear");
+  const Product pr = resolve_product(w, scales, group, n_out, x.size(1), path, bias);
+  at::Tensor y = at::empty({x.size(0), pr.N}, x.options());
   Prepared acts;
-  prepare(x.data_ptr<float>(), T, K, p.kind, group, acts);
-  bool done = false;
-  for (int v = p.variant; v >= 0 && !done; v = all_variants()[v].fallback)
-    done = all_variants()[v].linear(p.kind, m, N, K, group, acts.acts.data(), T, b, y.data_ptr<float>());
-  TORCH_CHECK(done, "moetune::linear: the ", all_variants()[p.variant].name, " kernels have no path '", path, "'");
+  run_product(pr, x.data_ptr<float>(), x.size(0), acts, y.data_ptr<float>());
   return y;
 }
 
@@ -1020,11 +1047,9 @@ void check_routes(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& 
               "moetune::moe: gates must be a contiguous float32 tensor shaped like ids");
 }
 
-Routes group_routes(const at::Tensor& ids, const at::Tensor& gates, const std::vector<Mat>& w13) {
-  const int64_t T = ids.size(0), k = ids.size(1), E = static_cast<int64_t>(w13.size());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* gw = gates.data_ptr<float>();
-  Routes r;
+// The routes of T tokens' k ids (-1: none) and gates, into r (its buffers reused).
+void group_routes(const int64_t* id, const float* gw, int64_t T, int64_t k, const std::vector<Mat>& w13, Routes& r) {
+  const int64_t E = static_cast<int64_t>(w13.size());
   r.offset.assign(E + 1, 0);
   for (int64_t p = 0; p < T * k; ++p)
     if (id[p] >= 0) {
@@ -1034,16 +1059,15 @@ Routes group_routes(const at::Tensor& ids, const at::Tensor& gates, const std::v
     }
   for (int64_t e = 0; e < E; ++e) r.offset[e + 1] += r.offset[e];
   r.P = r.offset[E];
-  std::vector<int64_t> fill(r.offset.begin(), r.offset.end() - 1);
+  r.fill.assign(r.offset.begin(), r.offset.end() - 1);
   r.tok.resize(r.P);
   r.gate.resize(r.P);
   for (int64_t p = 0; p < T * k; ++p)
     if (id[p] >= 0) {
-      const int64_t slot = fill[id[p]]++;
+      const int64_t slot = r.fill[id[p]]++;
       r.tok[slot] = p / k;
       r.gate[slot] = gw[p];
     }
-  return r;
 }
 
 using OptTensors = c10::List<std::optional<at::Tensor>>;
@@ -1054,19 +1078,34 @@ inline at::Tensor get(const OptTensors& l, int64_t e) {
   return t.has_value() ? *t : at::Tensor();
 }
 
-at::Tensor run_moe(const at::Tensor& h, MoeJob& job, const Path& p, const at::Tensor& ids, const at::Tensor& gates,
-                   const std::string& path) {
-  const Routes routes = group_routes(ids, gates, job.w13);
+// What run_moe_into keeps between calls (the fused decode step: one set for every layer).
+struct MoeBuffers {
+  Routes routes;
   Prepared hp;
-  prepare(h.data_ptr<float>(), job.T, job.H, p.kind, job.G, hp);
-  job.hacts = hp.acts.data();
-  job.routes = &routes;
+};
+
+// out [T, H] = the routed experts of h [T, H] (ids, gates [T, k]), on the job's experts and path p.
+void run_moe_into(const float* h, int64_t T, MoeJob& job, const Path& p, const int64_t* ids, const float* gates,
+                  int64_t k, const std::string& path, MoeBuffers& buf, float* out) {
+  job.T = T;
+  group_routes(ids, gates, T, k, job.w13, buf.routes);
+  prepare(h, T, job.H, p.kind, job.G, buf.hp);
+  job.hacts = buf.hp.acts.data();
+  job.routes = &buf.routes;
   job.small = p.small;
-  at::Tensor out = at::zeros({job.T, job.H}, h.options());
+  std::memset(out, 0, sizeof(float) * T * job.H);
   bool done = false;
   for (int v = p.variant; v >= 0 && !done; v = all_variants()[v].fallback)
-    done = all_variants()[v].moe(p.kind, job, out.data_ptr<float>());
+    done = all_variants()[v].moe(p.kind, job, out);
   TORCH_CHECK(done, "moetune::moe: the ", all_variants()[p.variant].name, " kernels have no path '", path, "'");
+}
+
+at::Tensor run_moe(const at::Tensor& h, MoeJob& job, const Path& p, const at::Tensor& ids, const at::Tensor& gates,
+                   const std::string& path) {
+  at::Tensor out = at::empty({job.T, job.H}, h.options());
+  MoeBuffers buf;
+  run_moe_into(h.data_ptr<float>(), job.T, job, p, ids.data_ptr<int64_t>(), gates.data_ptr<float>(), ids.size(1), path,
+               buf, out.data_ptr<float>());
   return out;
 }
 
@@ -1116,10 +1155,10 @@ at::Tensor moe_q(const at::Tensor& h, const OptTensors& w13_list, const OptTenso
 //   int4:      w13 [E, 2I padded to 16, H/2] bytes, s13 bf16 [E, H/G, 2I padded, 2]; w2 [E, H padded, I/2],
 //              s2 [E, I/G, H padded, 2] (each expert's matrix in the native int4 layout, see the header)
 // Expert 0 is checked as one matrix (make_mat); the others are the same shapes at fixed strides.
-at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
-               const at::Tensor& gates, const std::string& path, const std::optional<at::Tensor>& s13,
-               const std::optional<at::Tensor>& s2, int64_t group) {
-  check_routes(h, ids, gates);
+// stacked_job: the experts' job on `path` for activations of H values, checked (p: the parsed path); the
+// fused decode step keeps one a layer, moe builds one a call.
+MoeJob stacked_job(int64_t H, const at::Tensor& w13, const at::Tensor& w2, const std::string& path,
+                   const std::optional<at::Tensor>& s13, const std::optional<at::Tensor>& s2, int64_t group, Path& p) {
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moetune::moe: w13 and w2 dtypes differ");
   const Fmt fmt = fmt_of(w13);
   TORCH_CHECK(fmt != Fmt::F32, "moetune::moe: expert weights must be bf16, fp16, int8 or int4");
@@ -1134,9 +1173,9 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
   const bool scaled = fmt == Fmt::I8 || fmt == Fmt::I4;
   TORCH_CHECK(scaled == (s13.has_value() && s2.has_value()), "moetune::moe: ",
               scaled ? "int8/int4 experts need their scales" : "float experts take no scales");
-  const int64_t E = w13.size(0), H = h.size(1);
+  const int64_t E = w13.size(0);
   const int64_t inter = fmt == Fmt::I4 ? w2.size(2) * 2 : w2.size(2);
-  const Path p = parse_path(path, fmt);
+  p = parse_path(path, fmt);
   if (p.kind == Kind::Bf16Dp || p.kind == Kind::Bf16Tile)
     TORCH_CHECK(H % kQBlock == 0 && inter % kQBlock == 0, "moetune::moe: the ",
                 p.kind == Kind::Bf16Dp ? "bf16dp" : "tile", " mode needs sizes divisible by 32, got ", H, " and ", inter);
@@ -1146,13 +1185,12 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
                 "moetune::moe: stacked scales must be contiguous with one entry per expert, got ", a13.sizes(), " and ",
                 a2.sizes());
   MoeJob job;
-  job.T = h.size(0);
   job.H = H;
   job.inter = inter;
   job.G = group;
   job.w13.resize(E);
   job.w2.resize(E);
-  if (E == 0) return at::zeros({job.T, H}, h.options());
+  if (E == 0) return job;
   const Mat m13 = make_mat(w13.select(0, 0), scaled ? a13.select(0, 0) : at::Tensor(), fmt, 2 * inter, H, group,
                            p.kind, "moe");
   const Mat m2 = make_mat(w2.select(0, 0), scaled ? a2.select(0, 0) : at::Tensor(), fmt, H, inter, group, p.kind,
@@ -1169,6 +1207,17 @@ at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2,
     job.w13[e] = x;
     job.w2[e] = y;
   }
+  return job;
+}
+
+at::Tensor moe(const at::Tensor& h, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
+               const at::Tensor& gates, const std::string& path, const std::optional<at::Tensor>& s13,
+               const std::optional<at::Tensor>& s2, int64_t group) {
+  check_routes(h, ids, gates);
+  Path p{};
+  MoeJob job = stacked_job(h.size(1), w13, w2, path, s13, s2, group, p);
+  job.T = h.size(0);
+  if (job.w13.empty()) return at::zeros({job.T, job.H}, h.options());
   return run_moe(h, job, p, ids, gates, path);
 }
 
@@ -1213,35 +1262,40 @@ void check_vec(const at::Tensor& w, int64_t n, const char* what) {
               "moetune::", what, ": weight must be a contiguous float32 vector of ", n);
 }
 
+void rmsnorm_into(const float* xp, const float* wp, int64_t R, int64_t D, double eps, float* op) {
+  at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
+  });
+}
+
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu() && x.dim() >= 1,
               "moetune::rmsnorm: x must be a contiguous float32 CPU tensor");
   const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
   check_vec(w, D, "rmsnorm");
   at::Tensor out = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
-  });
+  rmsnorm_into(x.data_ptr<float>(), w.data_ptr<float>(), R, D, eps, out.data_ptr<float>());
   return out;
 }
 
-at::Tensor add_rmsnorm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps) {
-  check_act(x, "add_rmsnorm_");
-  check_act(delta, "add_rmsnorm_");
-  TORCH_CHECK(x.sizes() == delta.sizes(), "moetune::add_rmsnorm_: shapes differ");
-  const int64_t R = x.size(0), D = x.size(1);
-  check_vec(w, D, "add_rmsnorm_");
-  at::Tensor out = at::empty_like(x);
-  float *xp = x.data_ptr<float>(), *op = out.data_ptr<float>();
-  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+// x [R, D] += delta; out = rmsnorm(x) (checked by the caller).
+void add_rmsnorm_into(float* xp, const float* dp, const float* wp, int64_t R, int64_t D, double eps, float* op) {
   at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       for (int64_t i = 0; i < D; ++i) xp[r * D + i] += dp[r * D + i];
       rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
     }
   });
+}
+
+at::Tensor add_rmsnorm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  check_act(x, "add_rmsnorm_");
+  check_act(delta, "add_rmsnorm_");
+  TORCH_CHECK(x.sizes() == delta.sizes(), "moetune::add_rmsnorm_: shapes differ");
+  check_vec(w, x.size(1), "add_rmsnorm_");
+  at::Tensor out = at::empty_like(x);
+  add_rmsnorm_into(x.data_ptr<float>(), delta.data_ptr<float>(), w.data_ptr<float>(), x.size(0), x.size(1), eps,
+                   out.data_ptr<float>());
   return out;
 }
 
@@ -1255,11 +1309,10 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rope(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv,
-                                                        int64_t d, const std::optional<at::Tensor>& q_norm,
-                                                        const std::optional<at::Tensor>& k_norm,
-                                                        const std::string& norm, double eps, double clip,
-                                                        const at::Tensor& cos, const at::Tensor& sin) {
+// qk_rope into q [T, n_heads, d], k and v [T, n_kv, d] (contiguous fp32).
+void qk_rope_into(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv, int64_t d, const std::optional<at::Tensor>& q_norm,
+                  const std::optional<at::Tensor>& k_norm, const std::string& norm, double eps, double clip,
+                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& q, at::Tensor& k, at::Tensor& v) {
   check_act(qkv, "qk_rope");
   const int64_t T = qkv.size(0), Q = n_heads * d, KV = n_kv * d;
   TORCH_CHECK(qkv.size(1) == Q + 2 * KV, "moetune::qk_rope: qkv width ", qkv.size(1), " is not ", Q + 2 * KV);
@@ -1275,9 +1328,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rope(const at::Tensor& qkv, in
     qw = q_norm->data_ptr<float>();
     kw = k_norm->data_ptr<float>();
   }
-  at::Tensor q = at::empty({T, n_heads, d}, qkv.options());
-  at::Tensor k = at::empty({T, n_kv, d}, qkv.options());
-  at::Tensor v = at::empty({T, n_kv, d}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -1310,26 +1360,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rope(const at::Tensor& qkv, in
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_rope(const at::Tensor& qkv, int64_t n_heads, int64_t n_kv,
+                                                        int64_t d, const std::optional<at::Tensor>& q_norm,
+                                                        const std::optional<at::Tensor>& k_norm,
+                                                        const std::string& norm, double eps, double clip,
+                                                        const at::Tensor& cos, const at::Tensor& sin) {
+  check_act(qkv, "qk_rope");
+  const int64_t T = qkv.size(0);
+  at::Tensor q = at::empty({T, n_heads, d}, qkv.options());
+  at::Tensor k = at::empty({T, n_kv, d}, qkv.options());
+  at::Tensor v = at::empty({T, n_kv, d}, qkv.options());
+  qk_rope_into(qkv, n_heads, n_kv, d, q_norm, k_norm, norm, eps, clip, cos, sin, q, k, v);
   return {q, k, v};
 }
 
-std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, bool renorm) {
-  check_act(logits, "route");
-  const int64_t T = logits.size(0), E = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= E, "moetune::route: k=", k, " with ", E, " experts");
-  at::Tensor gates = at::empty({T, k}, logits.options());
-  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong));
-  const float* lp = logits.data_ptr<float>();
-  float* gp = gates.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
+// The top k of each of T rows of E logits, into gates [T, k] and ids [T, k] (1 <= k <= E).
+void route_into(const float* lp, int64_t T, int64_t E, int64_t k, bool renorm, float* gp, int64_t* ip) {
+  thread_local std::vector<float> p;
+  thread_local std::vector<int64_t> order;
+  p.resize(E);
+  order.resize(E);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = lp + t * E;
     float mx = row[0];
     for (int64_t e = 1; e < E; ++e) mx = std::max(mx, row[e]);
-    std::vector<float> p(E);
     float sum = 0.f;
     for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(row[e] - mx));
-    std::vector<int64_t> order(E);
     for (int64_t e = 0; e < E; ++e) order[e] = e;
     // Largest first; equal probabilities keep the lower expert id first.
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
@@ -1341,6 +1399,15 @@ std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, bo
       gp[t * k + j] = renorm ? (p[order[j]] / sum) / kept : p[order[j]] / sum;
     }
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t k, bool renorm) {
+  check_act(logits, "route");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "moetune::route: k=", k, " with ", E, " experts");
+  at::Tensor gates = at::empty({T, k}, logits.options());
+  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong));
+  route_into(logits.data_ptr<float>(), T, E, k, renorm, gates.data_ptr<float>(), ids.data_ptr<int64_t>());
   return {gates, ids};
 }
 
@@ -1437,9 +1504,10 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kc, at::Ten
     }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, const at::Tensor& slots,
-                            const at::Tensor& lens, int64_t window, double scale, const c10::optional<at::Tensor>& k,
-                            const c10::optional<at::Tensor>& v) {
+// decode_attention into out (shaped like q).
+void decode_attention_into(const at::Tensor& q, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots,
+                           const at::Tensor& lens, int64_t window, double scale, const c10::optional<at::Tensor>& k,
+                           const c10::optional<at::Tensor>& v, at::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "moetune::decode_attention: q");
   TORCH_CHECK((kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16) && kc.is_contiguous() &&
                   kc.dim() == 4 && vc.sizes() == kc.sizes() && vc.is_contiguous() &&
@@ -1465,11 +1533,17 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, c
     else
       append_kv<uint16_t>(*k, *v, kc, vc, sp, lp);
   }
-  at::Tensor out = at::empty_like(q);
   if (kc.scalar_type() == at::kFloat)
     decode_attention_impl<float>(q, kc, vc, sp, lp, window, static_cast<float>(scale), out);
   else
     decode_attention_impl<uint16_t>(q, kc, vc, sp, lp, window, static_cast<float>(scale), out);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor kc, at::Tensor vc, const at::Tensor& slots,
+                            const at::Tensor& lens, int64_t window, double scale, const c10::optional<at::Tensor>& k,
+                            const c10::optional<at::Tensor>& v) {
+  at::Tensor out = at::empty_like(q);
+  decode_attention_into(q, kc, vc, slots, lens, window, scale, k, v, out);
   return out;
 }
 
@@ -1487,22 +1561,28 @@ inline std::optional<at::Tensor> opt(const at::Tensor& t) {
 // A product on `path` ("variant:mode", or PyTorch's "torch:widen" / "torch:bf16"), fitted to the inner size
 // as kernels._fit does: q8, bf16dp and tile read blocks of 32 activations, other inner sizes take f32. With
 // `scales` the weights are int8 with one scale per row (runtime.dense_precision=int8) and `path` is native.
+inline bool torch_path(const std::string& path) { return path.rfind("torch:", 0) == 0; }
+
+// A native path fitted to inner size K.
+std::string fitted_path(const std::string& path, int64_t K) {
+  const auto colon = path.find(':');
+  if (K % kQBlock && colon != std::string::npos) {
+    const std::string mode = path.substr(colon + 1);
+    if (mode == "q8" || mode == "bf16dp" || mode == "tile") return path.substr(0, colon) + ":f32";
+  }
+  return path;
+}
+
 at::Tensor linear_path(const at::Tensor& x, const at::Tensor& w, const std::string& path, const at::Tensor& bias,
                        const at::Tensor& scales = at::Tensor()) {
   const std::optional<at::Tensor> b = opt(bias);
-  if (scales.defined()) TORCH_CHECK(path.rfind("torch:", 0) != 0, "moetune::DecodeStack: int8 weights need a native path");
+  if (scales.defined()) TORCH_CHECK(!torch_path(path), "moetune::DecodeStack: int8 weights need a native path");
   if (path == "torch:widen") return at::linear(x, w.to(at::kFloat), b);
   if (path == "torch:bf16") {
     at::Tensor y = at::linear(x.to(w.scalar_type()), w).to(at::kFloat);
     return bias.defined() ? y.add_(bias) : y;
   }
-  std::string p = path;
-  const auto colon = p.find(':');
-  if (x.size(1) % kQBlock && colon != std::string::npos) {
-    const std::string mode = p.substr(colon + 1);
-    if (mode == "q8" || mode == "bf16dp" || mode == "tile") p = p.substr(0, colon) + ":f32";
-  }
-  return linear_q(x, w, opt(scales), 0, w.size(0), p, b);
+  return linear_q(x, w, opt(scales), 0, w.size(0), fitted_path(path, x.size(1)), b);
 }
 
 // The SwiGLU MLP of dense layers and shared experts: silu(x W_g^T) * (x W_u^T), then W_d (as the per-op path).
@@ -1521,6 +1601,16 @@ struct DecodeLayer {
   at::Tensor router, w13, s13, w2, s2, shared_w13, shared_w2, shared_gate;  // MoE layers
   at::Tensor mlp_w13, mlp_w2;                                        // dense layers
   int64_t group = 0;
+  // Resolved for the step's paths (DecodeStack::resolve): the native products and the experts' job.
+  Product qkv, o, route;
+  MoeJob experts;
+  Path experts_path{};
+};
+
+// What a step of T tokens writes, kept from step to step while T stays (DecodeStack::buffers).
+struct StepBuffers {
+  int64_t T = -1;
+  at::Tensor h, qkv, q, k, v, att, o, logits, ids, gates, y;
 };
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -1530,11 +1620,67 @@ struct DecodeStack : torch::CustomClassHolder {
   bool renorm;
   std::vector<DecodeLayer> layers;
   std::vector<at::Tensor> kc, vc;
+  // The paths the layers are resolved for (while dense_ok / moe_ok), the step's buffers, the products' and experts'
+  // scratch. A layer's ops then allocate nothing and dispatch nothing: each such call after a product had
+  // streamed its weights through the caches cost about 5-15 us cold, most of a batch-1 step's serial time.
+  std::string dense_at, moe_at;
+  bool dense_ok = false, moe_ok = false;
+  StepBuffers buf;
+  Prepared acts;
+  MoeBuffers moe_buf;
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::string qk_norm, double clip,
               int64_t window, double scale, int64_t top_k, bool renorm)
       : n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), window(window), top_k(top_k), eps(eps), clip(clip),
         scale(scale), qk_norm(std::move(qk_norm)), renorm(renorm) {}
+
+  // The layers' native products for dense_path (fitted to each inner size; torch paths: none, linear_path
+  // runs them) and experts for moe_path, each resolved again only when its path changes.
+  void resolve(const std::string& dense_path, const std::string& moe_path, int64_t H) {
+    if (!dense_ok || dense_path != dense_at) {
+      dense_ok = false;
+      const bool native = !torch_path(dense_path);
+      const int64_t Q = n_heads * head_dim;
+      for (DecodeLayer& l : layers) {
+        l.qkv = l.o = Product{};
+        if (!native) continue;
+        l.qkv = resolve_product(l.wqkv, opt(l.wqkv_s), 0, 0, H, fitted_path(dense_path, H), opt(l.bqkv));
+        l.o = resolve_product(l.wo, opt(l.wo_s), 0, 0, Q, fitted_path(dense_path, Q), opt(l.bo));
+      }
+      dense_at = dense_path;
+      dense_ok = true;
+    }
+    if (!moe_ok || moe_path != moe_at) {
+      moe_ok = false;
+      for (DecodeLayer& l : layers) {
+        if (!l.router.defined()) continue;
+        l.route = resolve_product(l.router, std::nullopt, 0, 0, H, "", std::nullopt);
+        l.experts = stacked_job(H, l.w13, l.w2, moe_path, opt(l.s13), opt(l.s2), l.group, l.experts_path);
+      }
+      moe_at = moe_path;
+      moe_ok = true;
+    }
+  }
+
+  void buffers(int64_t T, const at::Tensor& x) {
+    if (buf.T == T) return;
+    const int64_t H = x.size(1), Q = n_heads * head_dim, KV = n_kv * head_dim;
+    int64_t E = 1;
+    for (const DecodeLayer& l : layers) E = std::max<int64_t>(E, l.router.defined() ? l.router.size(0) : 1);
+    const auto f = x.options();
+    buf = StepBuffers{T, at::empty({T, H}, f), at::empty({T, Q + 2 * KV}, f), at::empty({T, n_heads, head_dim}, f),
+                      at::empty({T, n_kv, head_dim}, f), at::empty({T, n_kv, head_dim}, f),
+                      at::empty({T, n_heads, head_dim}, f), at::empty({T, H}, f), at::empty({T, E}, f),
+                      at::empty({T, top_k}, f.dtype(at::kLong)), at::empty({T, top_k}, f), at::empty({T, H}, f)};
+  }
+
+  // A dense product of h into out: the layer's resolved native product, else (torch paths) linear_path's.
+  at::Tensor dense(const Product& pr, const at::Tensor& h, const at::Tensor& w, const at::Tensor& bias,
+                   const at::Tensor& scales, const std::string& path, const at::Tensor& out) {
+    if (pr.N == 0) return linear_path(h, w, path, bias, scales);
+    run_product(pr, h.data_ptr<float>(), h.size(0), acts, out.data_ptr<float>());
+    return out;
+  }
 
   void add_attention(at::Tensor ln1, at::Tensor ln2, at::Tensor wqkv, std::optional<at::Tensor> bqkv, at::Tensor wo,
                      std::optional<at::Tensor> bo, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm) {
@@ -1548,6 +1694,7 @@ struct DecodeStack : torch::CustomClassHolder {
     l.q_norm = or_undefined(q_norm);
     l.k_norm = or_undefined(k_norm);
     layers.push_back(l);
+    invalidate();
   }
 
   // The last added layer's experts (stacked, any format the moe op reads) and shared expert.
@@ -1565,12 +1712,14 @@ struct DecodeStack : torch::CustomClassHolder {
     l.shared_w13 = or_undefined(shared_w13);
     l.shared_w2 = or_undefined(shared_w2);
     l.shared_gate = or_undefined(shared_gate);
+    invalidate();
   }
 
   void set_mlp(at::Tensor w13, at::Tensor w2) {
     TORCH_CHECK(!layers.empty(), "moetune::DecodeStack: set_mlp before add_attention");
     layers.back().mlp_w13 = w13;
     layers.back().mlp_w2 = w2;
+    invalidate();
   }
 
   // The last added layer's dense matrices in int8 with one scale per row (runtime.dense_precision=int8):
@@ -1592,6 +1741,7 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(slot[0] != nullptr, "moetune::DecodeStack.set_int8: no matrix named ", name);
     *slot[0] = q;
     *slot[1] = scales;
+    invalidate();
   }
 
   void set_cache(std::vector<at::Tensor> k, std::vector<at::Tensor> v) {
@@ -1600,44 +1750,65 @@ struct DecodeStack : torch::CustomClassHolder {
     vc = std::move(v);
   }
 
+  void invalidate() { dense_ok = moe_ok = false; }  // weights changed: resolve again at the next step
+
   // x [T, H] fp32, the residual stream, updated in place; cos/sin [T, d]; slots/lens [T] int64 (the
   // decode attention's). Returns the routed (ids, gates) of every MoE layer, [MoE layers, T, k].
   std::tuple<at::Tensor, at::Tensor> step(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                           at::Tensor lens, std::string dense_path, std::string moe_path) {
     check_act(x, "DecodeStack.step");
     TORCH_CHECK(kc.size() == layers.size(), "moetune::DecodeStack: set_cache first");
-    const int64_t T = x.size(0), Q = n_heads * head_dim;
+    const int64_t T = x.size(0), H = x.size(1);
+    check_vec(layers[0].ln1, H, "DecodeStack.step");
+    resolve(dense_path, moe_path, H);
+    buffers(T, x);
     int64_t n_moe = 0;
     for (const auto& l : layers) n_moe += l.router.defined();
     at::Tensor ids_out = at::empty({n_moe, T, top_k}, x.options().dtype(at::kLong));
     at::Tensor gates_out = at::empty({n_moe, T, top_k}, x.options());
-    at::Tensor h = rmsnorm(x, layers[0].ln1, eps);
+    float* xp = x.data_ptr<float>();
+    rmsnorm_into(xp, layers[0].ln1.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
     int64_t mi = 0;
     for (size_t i = 0; i < layers.size(); ++i) {
-      const DecodeLayer& l = layers[i];
-      const at::Tensor qkv = linear_path(h, l.wqkv, dense_path, l.bqkv, l.wqkv_s);
-      auto [q, k, v] = qk_rope(qkv, n_heads, n_kv, head_dim, opt(l.q_norm), opt(l.k_norm), qk_norm, eps, clip, cos, sin);
-      const at::Tensor att = decode_attention(q, kc[i], vc[i], slots, lens, window, scale, k, v);
-      h = add_rmsnorm_(x, linear_path(att.view({T, Q}), l.wo, dense_path, l.bo, l.wo_s), l.ln2, eps);
-      at::Tensor y;
+      DecodeLayer& l = layers[i];
+      const at::Tensor qkv = dense(l.qkv, buf.h, l.wqkv, l.bqkv, l.wqkv_s, dense_path, buf.qkv);
+      qk_rope_into(qkv, n_heads, n_kv, head_dim, opt(l.q_norm), opt(l.k_norm), qk_norm, eps, clip, cos, sin, buf.q,
+                   buf.k, buf.v);
+      decode_attention_into(buf.q, kc[i], vc[i], slots, lens, window, scale, buf.k, buf.v, buf.att);
+      const at::Tensor o = dense(l.o, l.o.N ? buf.att : buf.att.view({T, n_heads * head_dim}), l.wo, l.bo, l.wo_s,
+                                 dense_path, buf.o);
+      add_rmsnorm_into(xp, o.data_ptr<float>(), l.ln2.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
+      at::Tensor y = buf.y;
       if (l.router.defined()) {
-        const at::Tensor logits = T <= 32 ? linear_q(h, l.router, std::nullopt, 0, 0, "", std::nullopt)
-                                          : at::linear(h, l.router);
-        auto [gates, ids] = route(logits, top_k, renorm);
-        y = moe(h, l.w13, l.w2, ids, gates, moe_path, opt(l.s13), opt(l.s2), l.group);
+        const int64_t E = l.router.size(0);
+        const float* logits;
+        at::Tensor wide;  // PyTorch's GEMM's logits, above 32 tokens
+        if (T <= 32) {
+          run_product(l.route, buf.h.data_ptr<float>(), T, acts, buf.logits.data_ptr<float>());
+          logits = buf.logits.data_ptr<float>();
+        } else {
+          wide = at::linear(buf.h, l.router).contiguous();
+          logits = wide.data_ptr<float>();
+        }
+        route_into(logits, T, E, top_k, renorm, buf.gates.data_ptr<float>(), buf.ids.data_ptr<int64_t>());
+        if (l.experts.w13.empty()) y.zero_();
+        else
+          run_moe_into(buf.h.data_ptr<float>(), T, l.experts, l.experts_path, buf.ids.data_ptr<int64_t>(),
+                       buf.gates.data_ptr<float>(), top_k, moe_path, moe_buf, y.data_ptr<float>());
         if (l.shared_w13.defined())
-          y = at::add(y, at::mul(at::sigmoid(at::linear(h, l.shared_gate)), mlp_path(h, l.shared_w13, l.shared_w2,
-                                                                                     dense_path, l.shared_s13,
-                                                                                     l.shared_s2)));
-        // route's outputs are contiguous [T, k] int64 and fp32: plain copies (two torch copies cost ~10 us)
-        std::memcpy(ids_out.data_ptr<int64_t>() + mi * T * top_k, ids.data_ptr<int64_t>(), T * top_k * sizeof(int64_t));
-        std::memcpy(gates_out.data_ptr<float>() + mi * T * top_k, gates.data_ptr<float>(), T * top_k * sizeof(float));
+          y = at::add(y, at::mul(at::sigmoid(at::linear(buf.h, l.shared_gate)), mlp_path(buf.h, l.shared_w13, l.shared_w2,
+                                                                                         dense_path, l.shared_s13,
+                                                                                         l.shared_s2)));
+        std::memcpy(ids_out.data_ptr<int64_t>() + mi * T * top_k, buf.ids.data_ptr<int64_t>(), T * top_k * sizeof(int64_t));
+        std::memcpy(gates_out.data_ptr<float>() + mi * T * top_k, buf.gates.data_ptr<float>(), T * top_k * sizeof(float));
         ++mi;
       } else {
-        y = mlp_path(h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
+        y = mlp_path(buf.h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
       }
-      if (i + 1 < layers.size()) h = add_rmsnorm_(x, y, layers[i + 1].ln1, eps);
-      else x.add_(y);
+      if (i + 1 < layers.size())
+        add_rmsnorm_into(xp, y.data_ptr<float>(), layers[i + 1].ln1.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
+      else
+        x.add_(y);
     }
     return {ids_out, gates_out};
   }

@@ -517,6 +517,21 @@ def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overri
     assert all(np.array_equal(per_op[2][k], fused[2][k]) for k in fused[2])
 
 
+def test_the_fused_decode_step_follows_a_change_of_path_between_steps(make_ckpt):
+    """The fused step resolves its products and experts once per path and reuses its buffers while the step's
+    token count stays: forced paths switched between runs (and runs of 3, 2 and 1 sequences) keep the per-op
+    path's bits on each path."""
+    path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=11, width=32)
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4))
+    modes = ["f32"] + [m for v, m in (("avx512_bf16", "avx512_bf16:bf16dp"), ("amx", "amx:tile")) if v in _runnable()]
+    for forced in [None, *modes, None]:
+        with kernels.forced_paths(**({"bf16": forced} if forced else {})):
+            per_op, fused = _decode_run(engine, fuse=False), _decode_run(engine, fuse=True)
+        assert engine.model.stats.fused_steps > 0, forced
+        assert fused[1] == per_op[1], forced
+        assert all(torch.equal(a, b) for a, b in zip(per_op[0], fused[0], strict=True)), forced
+
+
 def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(make_ckpt):
     """runtime.dense_precision=int8: attention, the dense and shared MLPs and the lm head run on int8 copies
     (a scale per 32 weights of a row) on the native kernels; the roofline counts their bytes; switching back and forth
