@@ -1262,6 +1262,7 @@ void check_vec(const at::Tensor& w, int64_t n, const char* what) {
               "moetune::", what, ": weight must be a contiguous float32 vector of ", n);
 }
 
+// out [R, D] = rmsnorm(x) (checked by the caller).
 void rmsnorm_into(const float* xp, const float* wp, int64_t R, int64_t D, double eps, float* op) {
   at::parallel_for(0, R, 64, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) rms_row(xp + r * D, wp, static_cast<float>(eps), D, op + r * D);
@@ -1662,6 +1663,7 @@ struct DecodeStack : torch::CustomClassHolder {
     }
   }
 
+  // The step's buffers for T tokens of x's width, allocated again only when T changes.
   void buffers(int64_t T, const at::Tensor& x) {
     if (buf.T == T) return;
     const int64_t H = x.size(1), Q = n_heads * head_dim, KV = n_kv * head_dim;
