@@ -98,6 +98,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -246,7 +247,9 @@ inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float*
     }
 }
 
-void prepare(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepared& p) {
+// prepare in two parts: the buffers and each row's pointers for T rows (prepare_buffers), then rows [t0, t1)
+// quantized or rounded for the kind (prepare_rows; rows apart may be prepared on threads apart).
+void prepare_buffers(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepared& p) {
   p.acts.assign(T, Act{});
   for (int64_t t = 0; t < T; ++t) p.acts[t].x = x + t * K;
   if (kind == Kind::I8Q8 || kind == Kind::I4Q8) {
@@ -254,10 +257,6 @@ void prepare(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepare
     p.q.resize(T * K);
     p.d.resize(T * nb * 8);
     p.gs.resize(T * ng);
-    at::parallel_for(0, T, 8, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t)
-        quantize_row(x + t * K, K, G, p.q.data() + t * K, p.d.data() + t * nb * 8, ng ? p.gs.data() + t * ng : nullptr);
-    });
     for (int64_t t = 0; t < T; ++t) {
       p.acts[t].q = p.q.data() + t * K;
       p.acts[t].d = p.d.data() + t * nb * 8;
@@ -265,11 +264,25 @@ void prepare(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepare
     }
   } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
     p.b.resize(T * K);
-    at::parallel_for(0, T * K, 4096, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) p.b[i] = f_to_bf16(x[i]);
-    });
     for (int64_t t = 0; t < T; ++t) p.acts[t].b = p.b.data() + t * K;
   }
+}
+
+void prepare_rows(const float* x, int64_t t0, int64_t t1, int64_t K, Kind kind, int64_t G, Prepared& p) {
+  if (kind == Kind::I8Q8 || kind == Kind::I4Q8) {
+    for (int64_t t = t0; t < t1; ++t)
+      quantize_row(x + t * K, K, G, const_cast<int8_t*>(p.acts[t].q), const_cast<float*>(p.acts[t].d),
+                   const_cast<float*>(p.acts[t].gs));
+  } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
+    for (int64_t i = t0 * K; i < t1 * K; ++i) p.b[i] = f_to_bf16(x[i]);
+  }
+}
+
+void prepare(const float* x, int64_t T, int64_t K, Kind kind, int64_t G, Prepared& p) {
+  prepare_buffers(x, T, K, kind, G, p);
+  if (kind == Kind::I8Q8 || kind == Kind::I4Q8 || kind == Kind::Bf16Dp || kind == Kind::Bf16Tile)
+    at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
+                     [&](int64_t a, int64_t b) { prepare_rows(x, a, b, K, kind, G, p); });
 }
 
 // Routed slots grouped by expert (counting sort): slot p of expert e is in [offset[e], offset[e+1]).
@@ -289,6 +302,13 @@ struct MoeJob {
 };
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// A pause in a spin-wait (an item waiting on another thread's).
+inline void spin_pause() {
+#if MT_X86
+  _mm_pause();
+#endif
+}
 
 // Work items: each routed expert's rows [0, rows) (phase 1: gate/up rows; phase 2: down rows) in blocks
 // of about `work` rows x tokens (at least 32 rows; work 0: blocks of 32 rows), so an expert with few tokens
@@ -2570,9 +2590,7 @@ void moe_kind(const MoeJob& j, float* op) {
   const Spans sp = moe_spans(R, E, inter, H, n_threads);
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
   const int64_t n_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
-  for (int64_t it = 0; it < n_items; ++it) {
-    const ExpertRows& item = items[it];
+  auto gate_up = [&](const ExpertRows& item) {  // an item of phase 1: its rows' gate and up products -> act
     const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
     const Scratch<float> g(kGateRows, rows * n), u(kUpRows, rows * n);
     auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
@@ -2580,21 +2598,44 @@ void moe_kind(const MoeJob& j, float* op) {
     auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
     rows_times_tokens<KD>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, G, up_sink, 2);
     store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
-  }
+  };
   Prepared as;
-  prepare(act.data(), P, inter, KD, G, as);
-  if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
+  if (sp.runs) {
+    // Runs of one expert's rows in both phases, in one parallel region: a thread goes on from the gate and up
+    // items to the down items (each slot's product kept apart, Spans) without waiting for the other threads;
+    // a down item waits only for its own expert's gate and up rows, whose last item prepares its activations.
     const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
+    const int64_t n_down = static_cast<int64_t>(down.size());
+    prepare_buffers(act.data(), P, inter, KD, G, as);
+    std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[E]);  // gate/up items not done
+    for (int64_t e = 0; e < E; ++e) left[e].store(0, std::memory_order_relaxed);
+    for (const ExpertRows& item : items) left[item.e].fetch_add(1, std::memory_order_relaxed);
     const Scratch<float> y(kSlotOutputs, P * H);  // each slot's down product, unweighted
-    parallel_chunks(static_cast<int64_t>(down.size()), 1, [&](int64_t it, int64_t) {
-      const ExpertRows& item = down[it];
+    std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items + n_down > 1)
+    for (int64_t it = next.fetch_add(1); it < n_items + n_down; it = next.fetch_add(1)) {
+      if (it < n_items) {
+        const ExpertRows& item = items[it];
+        gate_up(item);
+        if (left[item.e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          const int64_t p0 = R.offset[item.e];
+          prepare_rows(act.data(), p0, R.offset[item.e + 1], inter, KD, G, as);
+          left[item.e].store(-1, std::memory_order_release);  // -1: the expert's activations are ready
+        }
+        continue;
+      }
+      const ExpertRows& item = down[it - n_items];
+      while (left[item.e].load(std::memory_order_acquire) != -1) spin_pause();
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
       auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
       rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink, 2);
-    });
+    }
     sum_slots(R, y.data(), H, op);
     return;
   }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads) if (n_threads > 1 && n_items > 1)
+  for (int64_t it = 0; it < n_items; ++it) gate_up(items[it]);
+  prepare(act.data(), P, inter, KD, G, as);
   parallel_chunks(H, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
