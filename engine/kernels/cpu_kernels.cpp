@@ -270,9 +270,9 @@ void prepare_buffers(const float* x, int64_t T, int64_t K, Kind kind, int64_t G,
 
 void prepare_rows(const float* x, int64_t t0, int64_t t1, int64_t K, Kind kind, int64_t G, Prepared& p) {
   if (kind == Kind::I8Q8 || kind == Kind::I4Q8) {
+    const int64_t nb = K / kQBlock, ng = kind == Kind::I4Q8 ? K / G : 0;
     for (int64_t t = t0; t < t1; ++t)
-      quantize_row(x + t * K, K, G, const_cast<int8_t*>(p.acts[t].q), const_cast<float*>(p.acts[t].d),
-                   const_cast<float*>(p.acts[t].gs));
+      quantize_row(x + t * K, K, G, p.q.data() + t * K, p.d.data() + t * nb * 8, ng ? p.gs.data() + t * ng : nullptr);
   } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
     for (int64_t i = t0 * K; i < t1 * K; ++i) p.b[i] = f_to_bf16(x[i]);
   }
@@ -1690,10 +1690,18 @@ struct DecodeStack : torch::CustomClassHolder {
     int64_t E = 1;
     for (const DecodeLayer& l : layers) E = std::max<int64_t>(E, l.router.defined() ? l.router.size(0) : 1);
     const auto f = x.options();
-    buf = StepBuffers{T, at::empty({T, H}, f), at::empty({T, Q + 2 * KV}, f), at::empty({T, n_heads, head_dim}, f),
-                      at::empty({T, n_kv, head_dim}, f), at::empty({T, n_kv, head_dim}, f),
-                      at::empty({T, n_heads, head_dim}, f), at::empty({T, H}, f), at::empty({T, E}, f),
-                      at::empty({T, top_k}, f.dtype(at::kLong)), at::empty({T, top_k}, f), at::empty({T, H}, f)};
+    buf.h = at::empty({T, H}, f);
+    buf.qkv = at::empty({T, Q + 2 * KV}, f);
+    buf.q = at::empty({T, n_heads, head_dim}, f);
+    buf.k = at::empty({T, n_kv, head_dim}, f);
+    buf.v = at::empty({T, n_kv, head_dim}, f);
+    buf.att = at::empty({T, n_heads, head_dim}, f);
+    buf.o = at::empty({T, H}, f);
+    buf.logits = at::empty({T, E}, f);
+    buf.ids = at::empty({T, top_k}, f.dtype(at::kLong));
+    buf.gates = at::empty({T, top_k}, f);
+    buf.y = at::empty({T, H}, f);
+    buf.T = T;  // last: a failed allocation leaves the buffers to be made again
   }
 
   // A dense product of h into out: the layer's resolved native product, else (torch paths) linear_path's.
