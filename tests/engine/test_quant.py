@@ -273,7 +273,16 @@ def test_cuda_qlinear_matches_reference(precision, shape, m):
             ref, _, _ = _reference(x.float(), qw, path)
             tol = 2e-2 if dtype == torch.bfloat16 or precision in ("bf16", "fp16", "int8", "int4") else 1e-4
             assert y.shape == (m, n) and y.dtype == dtype
-            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * _output_scale(x, qw, ref))
+
+
+def _output_scale(x: torch.Tensor, qw: QWeight, ref: torch.Tensor) -> float:
+    """The size of an output whose terms do not cancel: the larger of the largest output and the root of
+    k products' squares. CUDA's int8 kernel rounds the dequantized weights to bf16 (H100, torch 2.11): on
+    one output of 128 terms that summed to 0.025 it was off by 0.0024, 0.2 % of this scale (1.07)."""
+    w = dequantize(qw).to(x.device)
+    rms_terms = ((x.float() ** 2) @ (w.float() ** 2).t()).sqrt().max().item()
+    return max(ref.abs().max().item(), rms_terms)
 
 
 @CUDA
