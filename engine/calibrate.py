@@ -2,7 +2,8 @@
 
 - which matrix-product precision is faster here for expert-shaped products (bf16 pays only where the
   CPU has AMX or AVX512_BF16; elsewhere oneDNN emulates it and fp32 wins);
-- the host's memory read bandwidth, the roofline's denominator;
+- the host's memory read bandwidth, the roofline's denominator, and an accelerator's own (its memory,
+  the host link and its matrix products' peak) for steps that run there;
 - which path each precision's products take per token count on moetune's native kernels (ISA variant
   and arithmetic mode) or PyTorch's GEMM, and the peak FLOP/s of each path (the compute roofline).
 """
@@ -131,6 +132,55 @@ def memory_bandwidth_gbps(fresh: bool = False) -> float:
         return buf.numel() * 4 / best / 1e9
 
     return float(cached("mem_read_gbps", measure, fresh))  # (mem_bw_gbps: the sum alone, before)
+
+
+def device_limits(device: torch.device, fresh: bool = False) -> dict[str, Any]:
+    """An accelerator's own limits, for the rooflines of the steps that run on it (cached per machine):
+
+    - ``read_gbps``: its memory's read bandwidth, the faster of a sum and a copy (bytes read per second)
+      of a buffer of up to 1 GiB (a quarter of the free memory at most);
+    - ``link_gbps``: host-to-device copies from pinned memory (256 MiB at most), what a fetched expert crosses;
+    - ``peak_gflops``: its matrix products' peak by precision (bf16 and fp16 8192^3, fp32 4096^3 on
+      random data, with the process's TF32 setting).
+    Each is the best of five synchronised timings after one warm-up."""
+    if device.type != "cuda":
+        raise ValueError(f"device_limits: {device} is not an accelerator (the host's limits are "
+                         "memory_bandwidth_gbps and the kernels' dispatch report)")
+
+    def best_s(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def memory(n: int) -> tuple[float, float]:  # (read GB/s, link GB/s) of n fp16 values
+        buf = torch.ones(n, dtype=torch.float16, device=device)
+        dst = torch.empty_like(buf)
+        read = 2 * n / min(best_s(buf.sum), best_s(lambda: dst.copy_(buf)))
+        host = torch.ones(min(n, 2**27), dtype=torch.float16).pin_memory()
+        link = 2 * host.numel() / best_s(lambda: dst[: host.numel()].copy_(host, non_blocking=True))
+        return read / 1e9, link / 1e9
+
+    def peak(dtype: torch.dtype, m: int) -> float:
+        a = torch.randn(m, m, device=device, dtype=dtype)
+        b = torch.randn(m, m, device=device, dtype=dtype)
+        return 2 * m**3 / best_s(lambda: a @ b) / 1e9
+
+    def measure() -> dict[str, Any]:
+        with torch.cuda.device(device):
+            free, _ = torch.cuda.mem_get_info(device)
+            read, link = memory(int(min(2**30, free // 4)) // 2)
+            peaks = {"bf16": peak(torch.bfloat16, 8192), "fp16": peak(torch.float16, 8192),
+                     "fp32": peak(torch.float32, 4096)}
+            torch.cuda.empty_cache()
+        return {"read_gbps": read, "link_gbps": link, "peak_gflops": peaks}
+
+    return cached(f"device_limits:{torch.cuda.get_device_name(device)}", measure, fresh)
 
 
 def _timed(fn) -> float:

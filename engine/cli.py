@@ -22,6 +22,16 @@ DEFAULT_MODEL = "builtin:qwen3_moe-small"
 DEFAULT_WORKLOAD = "builtin:chat"
 
 
+def _limits_line(limits: dict) -> str:
+    """The measured limits a bench row's rooflines divide by, in words."""
+    if limits["device"] == "cpu":
+        return f"memory read bandwidth {limits['read_gbps']:.1f} GB/s"
+    peaks = ", ".join(f"{k} {v / 1e3:.0f}" for k, v in (limits.get("device_peak_gflops") or {}).items())
+    return (f"{limits['device']} memory read {limits['read_gbps']:.0f} GB/s, host memory "
+            f"{limits['host_read_gbps']:.1f} GB/s, host link {limits['link_gbps']:.1f} GB/s, "
+            f"matrix peaks (TFLOP/s) {peaks}")
+
+
 def _table(rows: list[dict[str, Any]], cols: list[str], fmt: dict[str, str] | None = None) -> str:
     fmt = fmt or {}
 
@@ -167,11 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{ep['tokens_per_rank']}; imbalance (max/mean per layer) {ep['imbalance_mean']:.3f} mean, "
               f"{ep['imbalance_max']:.3f} max; per step {ep['bytes_dispatched_per_step_mean'] / 1e6:.2f} MB "
               f"dispatched, {ep['bytes_combined_per_step_mean'] / 1e6:.2f} MB combined")
-    from engine.calibrate import memory_bandwidth_gbps
-    from engine.roofline import run_roofline
+    from engine.roofline import machine_limits, run_roofline
 
     live = getattr(backend, "engine", None)  # the stub backend runs no tensors: no roofline
-    roof = run_roofline(live, result, memory_bandwidth_gbps()) if live is not None else None
+    roof = run_roofline(live, result, machine_limits(live.device)) if live is not None else None
     if roof is not None:
         comp = roof["compute_roofline_tokens_per_s"]
         print(f"decode steps (median batch {roof['median_decode_batch']}): {roof['decode_tokens_per_s']:.1f} tok/s; "
@@ -438,7 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "roofline_fraction": ".2f", "achieved_gb_per_s": ".1f", "achieved_gflop_per_s": ".1f",
                   "decode_experts_touched_per_layer": ".1f"}))
     row = res["rows"][-1]
-    print(f"memory read bandwidth {row['mem_bw_gb_per_s']:.1f} GB/s; decode products: dense "
+    print(f"{_limits_line(row['limits'])}; decode products: dense "
           f"{row['decode_paths']['dense']}, experts {row['decode_paths']['experts']}; "
           f"{row['bytes_per_decode_step'] / 1e6:.0f} MB and {row['flop_per_decode_step'] / 1e9:.2f} GFLOP per step "
           f"at batch {row['batch']} (KV cache {row['kv_bytes_per_decode_step'] / 1e6:.1f} MB, {res['kv_dtype']})")

@@ -8,6 +8,13 @@ the bytes by the measured read bandwidth (:func:`engine.calibrate.memory_bandwid
 PyTorch's sum and the kernels' several-streams read, so that a product cannot beat it); the compute roofline divides each part's FLOP by the peak
 the machine measured for the product path that part takes (:func:`engine.kernels.dispatch_report`);
 the binding limit is the slower of the two, and "fraction of roofline" is of that one.
+
+On an accelerator (:class:`Limits` from :func:`machine_limits`) the bytes are split by where they are
+read: the experts a step computes on the host read host memory, the rest (dense weights, resident and
+fetched experts, the KV cache) the accelerator's memory, and fetched experts also cross the host link;
+the three proceed at once, so the bandwidth roofline is the slowest of them. Products on the
+accelerator are priced at its measured peak in the compute precision (int8/int4 weights are multiplied
+in it), the host's experts at the host path's peak.
 """
 
 from __future__ import annotations
@@ -18,6 +25,43 @@ from typing import Any
 import torch
 
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The measured limits a step's roofline divides by.
+
+    ``read_gbps``: the memory the step's device reads (host DRAM on the CPU, the GPU's own memory on
+    CUDA); ``host_read_gbps``: host DRAM, which experts computed on the host read; ``link_gbps``: host
+    to device copies (fetched experts; None on the CPU); ``device_peak_gflops``: the accelerator's
+    matrix-product peak by precision (None on the CPU, whose paths' peaks are in the kernels' report).
+    """
+
+    device: str
+    read_gbps: float
+    host_read_gbps: float
+    link_gbps: float | None = None
+    device_peak_gflops: dict[str, float] | None = None
+
+    @classmethod
+    def host(cls, read_gbps: float) -> Limits:
+        return cls("cpu", float(read_gbps), float(read_gbps))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def machine_limits(device: torch.device | str, fresh: bool = False) -> Limits:
+    """This machine's limits for a step on ``device``: measured (and cached) by :mod:`engine.calibrate`;
+    ``fresh`` measures the host bandwidth again (it drifts on a shared machine)."""
+    from engine.calibrate import device_limits, memory_bandwidth_gbps
+
+    device = torch.device(device)
+    host = memory_bandwidth_gbps(fresh=fresh)
+    if device.type == "cpu":
+        return Limits.host(host)
+    d = device_limits(device)
+    return Limits(device.type, d["read_gbps"], host, d["link_gbps"], d["peak_gflops"])
 
 
 @dataclass(frozen=True)
@@ -32,6 +76,12 @@ class StepCost:
     flop_attention: float
     dense_path: str  # "precision/path" of the dense products
     expert_path: str
+    # Of the above, what experts computed on the host read and compute (an accelerator's step with
+    # experts missing from it), and the bytes fetched to the accelerator over the host link.
+    host_weight_bytes: float = 0.0
+    host_flop: float = 0.0
+    link_bytes: float = 0.0
+    compute_precision: str = "fp32"  # the activations' precision: what int8/int4 weights are multiplied in
 
     @property
     def bytes(self) -> float:
@@ -78,12 +128,31 @@ def _path(engine, precision: str, tokens: float) -> str:
     return "bf16/torch:bf16" if compute == "bf16" else "fp32/torch:fp32"
 
 
-def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float, decode: bool = True) -> StepCost:
+def tier_shares(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float] | None:
+    """What share of a span's expert calls ran on the host, and the bytes fetched per call, from the
+    hybrid executor's tier counters (``TierStats.as_dict()``) at its start and end; None without a hybrid
+    executor or without calls."""
+    if after is None:
+        return None
+    before = before or {}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    calls = sum(d.get(k, 0) for k in ("expert_calls_fast_hi", "expert_calls_fast_lo", "expert_calls_host",
+                                       "expert_calls_fetched"))
+    if calls <= 0:
+        return None
+    return {"host_call_share": d.get("expert_calls_host", 0) / calls,
+            "fetched_bytes_per_call": d.get("bytes_to_fast", 0) / calls}
+
+
+def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float, decode: bool = True,
+              tiers: dict[str, float] | None = None) -> StepCost:
     """A step of ``tokens`` tokens touching ``experts_touched`` distinct experts per MoE layer.
 
     Decode: each token attends over ``context_tokens`` cached positions (its sequence's length), so the
     step reads ``tokens * context_tokens`` positions of KV cache. Prefill (``decode=False``): one
     sequence's chunk of ``tokens`` tokens after ``context_tokens`` cached ones (causal attention).
+    ``tiers`` (:func:`tier_shares`): the share of expert calls computed on the host and the bytes
+    fetched per call, as measured; without it every expert is read where the step runs.
     """
     from engine import kernels
 
@@ -113,8 +182,14 @@ def step_cost(engine, tokens: int, experts_touched: float, context_tokens: float
     prec = mb["expert_precision"]
     if engine.model.native and spec.n_experts and prec in kernels.PRECISIONS and kernels.fused_moe(prec, per_expert):
         expert_path = f"{prec}/{kernels.moe_path(prec, per_expert, spec.hidden_size, spec.expert_intermediate)}"
+    calls = n_moe * experts_touched
+    host_calls = calls * tiers["host_call_share"] if tiers else 0.0
+    link_bytes = calls * tiers["fetched_bytes_per_call"] if tiers else 0.0
+    host_flop = flop_experts * host_calls / calls if calls else 0.0
     return StepCost(tokens, weight_bytes, kv_bytes, flop_dense, flop_experts, flop_attention,
-                    dense_path, expert_path)
+                    dense_path, expert_path, host_weight_bytes=host_calls * mb["expert_bytes"],
+                    host_flop=host_flop, link_bytes=link_bytes,
+                    compute_precision=_PRECISION.get(engine.dtype, "fp32"))
 
 
 def peak_gflops(path: str) -> float | None:
@@ -128,24 +203,47 @@ def peak_gflops(path: str) -> float | None:
     return peaks.get(prec, {}).get(p)  # type: ignore[union-attr]
 
 
-def roofline(cost: StepCost, bandwidth_gbps: float) -> dict[str, Any]:
-    """Both rooflines of a step and which one binds: seconds, tokens/s and the peaks used."""
-    bw_s = cost.bytes / (bandwidth_gbps * 1e9)
-    dense_peak, expert_peak = peak_gflops(cost.dense_path), peak_gflops(cost.expert_path)
-    compute_s = None
-    if dense_peak and expert_peak:
-        # Attention runs fp32 dot products: priced at the dense path's peak.
-        compute_s = ((cost.flop_dense + cost.flop_attention) / (dense_peak * 1e9)
-                     + cost.flop_experts / (expert_peak * 1e9))
+def roofline(cost: StepCost, limits: Limits | float) -> dict[str, Any]:
+    """Both rooflines of a step and which one binds: seconds, tokens/s and the limits used. ``limits``: a
+    :class:`Limits`, or the host's read bandwidth in GB/s for a step on the CPU."""
+    if not isinstance(limits, Limits):
+        limits = Limits.host(limits)
+    if limits.device == "cpu":  # one memory serves every read
+        parts = {"memory": cost.bytes / (limits.read_gbps * 1e9)}
+    else:
+        parts = {"device memory": (cost.bytes - cost.host_weight_bytes) / (limits.read_gbps * 1e9),
+                 "host memory": cost.host_weight_bytes / (limits.host_read_gbps * 1e9)}
+        if cost.link_bytes:
+            parts["link"] = cost.link_bytes / ((limits.link_gbps or float("inf")) * 1e9)
+    bw_s = max(parts.values())
+    host_peak = peak_gflops(cost.expert_path)  # the host's measured path (None without the kernels)
+    if limits.device == "cpu":
+        dense_peak, expert_peak = peak_gflops(cost.dense_path), host_peak
+        compute_s = None
+        if dense_peak and expert_peak:
+            # Attention runs fp32 dot products: priced at the dense path's peak.
+            compute_s = ((cost.flop_dense + cost.flop_attention) / (dense_peak * 1e9)
+                         + cost.flop_experts / (expert_peak * 1e9))
+    else:
+        peaks = limits.device_peak_gflops or {}
+        dense_peak = expert_peak = peaks.get(cost.compute_precision)
+        compute_s = None
+        if dense_peak:
+            device_s = (cost.flop - cost.host_flop) / (dense_peak * 1e9)
+            host_s = cost.host_flop / (host_peak * 1e9) if cost.host_flop and host_peak else 0.0
+            compute_s = max(device_s, host_s)
     bound_s = max(bw_s, compute_s or 0.0)
     return {
         "bytes_per_step": cost.bytes, "weight_bytes_per_step": cost.weight_bytes, "kv_bytes_per_step": cost.kv_bytes,
+        "host_weight_bytes_per_step": cost.host_weight_bytes, "link_bytes_per_step": cost.link_bytes,
         "flop_per_step": cost.flop, "dense_path": cost.dense_path, "expert_path": cost.expert_path,
         "dense_peak_gflops": dense_peak, "expert_peak_gflops": expert_peak,
         "bandwidth_roofline_tokens_per_s": cost.tokens / bw_s,
+        "bandwidth_bound_by": max(parts, key=parts.get),
         "compute_roofline_tokens_per_s": cost.tokens / compute_s if compute_s else None,
         "roofline_tokens_per_s": cost.tokens / bound_s,
         "bound": "compute" if compute_s and compute_s > bw_s else "bandwidth",
+        "limits": limits.as_dict(),
     }
 
 
@@ -153,10 +251,11 @@ def as_dict(cost: StepCost) -> dict[str, Any]:
     return {**asdict(cost), "bytes": cost.bytes, "flop": cost.flop}
 
 
-def run_roofline(engine, result, bandwidth_gbps: float) -> dict[str, Any] | None:
+def run_roofline(engine, result, limits: Limits | float) -> dict[str, Any] | None:
     """The decode roofline of a workload run (``engine run``): its decode-only steps' median batch and
     duration against the roofline of such a step (experts touched as measured over the run, contexts of
-    the mean request: prompt plus half its output). None when the run had no decode-only step."""
+    the mean request: prompt plus half its output, host and fetched shares of the expert calls as
+    counted over the run). None when the run had no decode-only step."""
     import statistics
 
     decode = [s for s in result.steps if s.prefill_tokens == 0 and s.decode_tokens > 0]
@@ -170,8 +269,12 @@ def run_roofline(engine, result, bandwidth_gbps: float) -> dict[str, Any] | None
     if touched is None:
         spec = engine.spec
         touched = spec.n_experts * (1.0 - (1.0 - spec.top_k / spec.n_experts) ** batch)
-    r = roofline(step_cost(engine, batch, touched, context), bandwidth_gbps)
+    hybrid = engine.model.hybrid
+    tiers = tier_shares(None, hybrid.stats.as_dict()) if hybrid is not None else None
+    if not isinstance(limits, Limits):
+        limits = Limits.host(limits)
+    r = roofline(step_cost(engine, batch, touched, context, tiers=tiers), limits)
     achieved = batch / step_s
     return {**r, "decode_steps": len(decode), "median_decode_batch": batch, "median_decode_step_ms": step_s * 1e3,
             "decode_tokens_per_s": achieved, "mean_context_tokens": context, "experts_touched_per_layer": touched,
-            "mem_bw_gb_per_s": bandwidth_gbps, "roofline_fraction": achieved / r["roofline_tokens_per_s"]}
+            "mem_bw_gb_per_s": limits.read_gbps, "roofline_fraction": achieved / r["roofline_tokens_per_s"]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.bench import bench_batch
 from engine.config import EngineConfig
 from engine.model.maker import make_model
 from engine.quality import prompt_logits
@@ -95,3 +96,17 @@ def test_partial_residency_keeps_experts_in_pinned_host_memory(model_dir):
     assert some.device.type == "cpu" and some.w13.is_pinned()
     assert hy.fast_bytes() <= BUDGET * 2**30
     assert any(h.fast is not None and h.fast.device.type == "cuda" for h in hy.handles[0])
+
+
+def test_bench_rooflines_use_the_gpus_limits_and_count_the_host_experts(model_dir):
+    eng = Engine(model_dir, EngineConfig().replace(device="cuda", residency="static", resident_budget_gib=BUDGET,
+                                                   missing_expert="host"))
+    eng.warm_up_hotness(64)
+    row = bench_batch(eng, 2, 8, 6)
+    lim = row["limits"]
+    assert lim["device"] == "cuda" and lim["read_gbps"] > lim["host_read_gbps"] and lim["link_gbps"] > 0
+    assert row["mem_bw_gb_per_s"] == lim["read_gbps"]
+    assert 0 < row["host_weight_bytes_per_decode_step"] < row["weight_bytes_per_decode_step"]
+    device_s = (row["bytes_per_decode_step"] - row["host_weight_bytes_per_decode_step"]) / (lim["read_gbps"] * 1e9)
+    host_s = row["host_weight_bytes_per_decode_step"] / (lim["host_read_gbps"] * 1e9)
+    assert row["bandwidth_roofline_decode_tokens_per_s"] == pytest.approx(2 / max(device_s, host_s))
