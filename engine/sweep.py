@@ -14,6 +14,7 @@ import psutil
 
 from engine.bench import bench_batch
 from engine.config import ConfigError, EngineConfig
+from engine.precision import INT4_GROUP_SIZES
 from engine.quality import evaluate, synthetic_prompts
 from engine.runtime import Engine
 
@@ -56,16 +57,25 @@ def default_sweep(engine: Engine) -> dict[str, list[Any]]:
     }
 
 
-def _apply(base: EngineConfig, knob: str, value: Any) -> EngineConfig:
-    """Composite values: ``micro:N`` sets the micro-batch size, ``static:GiB[+lo]`` a budget and a fallback."""
+def _apply(base: EngineConfig, knob: str, value: Any, spec=None) -> EngineConfig:
+    """Composite values: ``micro:N`` sets the micro-batch size, ``static:GiB[+lo]`` a budget and a fallback.
+    With the model's ``spec``, int4 experts get the largest group size up to the configured one that divides
+    the model's widths (a sweep's int4 row then measures int4 on any model, not a config error)."""
     if knob == "expert_batching" and isinstance(value, str) and value.startswith("micro:"):
-        return base.replace(expert_batching="micro", micro_batch_tokens=int(value.split(":")[1]))
-    if knob == "residency" and isinstance(value, str) and ":" in value:
+        cfg = base.replace(expert_batching="micro", micro_batch_tokens=int(value.split(":")[1]))
+    elif knob == "residency" and isinstance(value, str) and ":" in value:
         policy, rest = value.split(":", 1)
         budget, _, lo = rest.partition("+")
         cfg = base.replace(residency=policy, resident_budget_gib=float(budget))
-        return cfg.replace(lo_precision=lo) if lo else cfg
-    return base.replace(**{knob: value})
+        cfg = cfg.replace(lo_precision=lo) if lo else cfg
+    else:
+        cfg = base.replace(**{knob: value})
+    if spec is not None and "int4" in (cfg.experts.hi_precision, cfg.experts.lo_precision):
+        fits = [g for g in INT4_GROUP_SIZES if g <= cfg.experts.int4_group_size
+                and spec.hidden_size % g == 0 and spec.expert_intermediate % g == 0]
+        if fits:
+            cfg = cfg.replace(int4_group_size=max(fits))
+    return cfg
 
 
 def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_len: int, new_tokens: int,
@@ -73,13 +83,15 @@ def run_sweep(engine: Engine, sweep: dict[str, list[Any]], batch: int, prompt_le
     base = engine.config
     prompts = synthetic_prompts(engine.spec.vocab_size, n=quality_prompts, length=prompt_len)
     proc = psutil.Process()
-    bench_batch(engine, batch, min(prompt_len, 16), 4)  # warm-up: first-touch of buffers and kernels
+    # Warm-up at the measured shapes: first-touch of buffers and kernels, and on CUDA its libraries' lazy
+    # start-up and heuristics per shape (the H100's first row otherwise paid a prefill 3.6x slower).
+    bench_batch(engine, batch, prompt_len, min(new_tokens, 4))
     rows = []
     for knob, values in sweep.items():
         for value in values:
             _reset_peak_rss()
             try:
-                cfg = _apply(base, knob, value)
+                cfg = _apply(base, knob, value, engine.spec)
                 engine.reconfigure(cfg)
             except (ConfigError, ValueError) as e:
                 rows.append({"knob": knob, "value": str(value), "error": str(e)})
