@@ -9,15 +9,20 @@ prompts of ``--prompt-len`` random tokens, then profiles ``--steps`` decode step
 the decode rate, the kernel paths the engine used and the table of ops by self CPU time; ``--python``
 profiles with cProfile instead (Python functions by own time: where the glue between the ops goes).
 Decode steps the engine runs fused (every layer in one native call: MoEDecoder._decode_stack) show as one
-op; ``--per-op`` runs them op by op, as before the fused step, to see each op.
+op; ``--per-op`` runs them op by op, as before the fused step, to see each op. On CUDA (``device=cuda``)
+the profile holds the GPU's kernels too, and one more step runs under PyTorch's sync debug mode: it
+prints the implicit host-device synchronisations of a step by call site, and the GPU's busy time
+against the step's wall time (a step whose GPU idles waits on its host: launches and syncs).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -60,8 +65,10 @@ def main() -> None:
                    args.steps + 1)
     while any(not s.decoding for s in engine.running) or engine.waiting:
         engine.step()
+    cuda = engine.device.type == "cuda"
     py = cProfile.Profile() if args.python else None
-    with py or profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with py or profile(activities=activities) as prof:
         fused0 = engine.model.stats.fused_steps
         n, t = 0, time.perf_counter()
         while engine.has_work and n < args.steps:
@@ -73,7 +80,29 @@ def main() -> None:
     if py is not None:
         pstats.Stats(py).sort_stats("tottime").print_stats(args.rows)
     else:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        ops = prof.key_averages()
+        print(ops.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        if cuda:
+            gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3 / max(1, n)
+            launches = sum(e.count for e in ops if "LaunchKernel" in e.key) / max(1, n)
+            print(f"GPU busy {gpu_ms:.2f} ms of a {step_s * 1e3:.2f} ms step; {launches:.0f} kernel launches a step")
+    if cuda and engine.has_work:
+        print_syncs(engine)
+
+
+def print_syncs(engine: Engine) -> None:
+    """The implicit host-device synchronisations of one decode step, by the line that caused them."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
+    print(f"implicit syncs in one step: {sum(sites.values())}")
+    for site, count in sites.most_common(12):
+        print(f"  {count:4d}  {site}")
 
 
 if __name__ == "__main__":

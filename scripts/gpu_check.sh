@@ -6,8 +6,11 @@
 #      contexts, host decode attention, the CUDA int8/int4 kernels);
 #   3. `engine bench` on CUDA, medium model, batch 1 and 32: every expert resident, then about half
 #      (1.2 of its 2.4 GiB of experts; the missing ones computed on the host or fetched, as `auto` picks);
-#   4. a short knob sweep on CUDA.
-# Results land in ${OUT:-gpu-results}/; steps.txt has one line per step with its exit status and seconds.
+#   4. where a CUDA decode step's time goes (scripts/decode_profile.py: ops, GPU busy time, launches,
+#      implicit syncs by call site);
+#   5. a short knob sweep on CUDA.
+# Results land in ${OUT:-gpu-results}/ (7 files); steps.txt has the machine, then a line per step with its exit
+# status and seconds.
 #   bash scripts/gpu_check.sh                 # all steps
 #   STEPS="tests bench" bash scripts/gpu_check.sh
 # The simulator's check (calibrate on this GPU, then live against simulated) is scripts/gpu_check_sim.sh.
@@ -17,7 +20,7 @@ out=${OUT:-gpu-results}
 mkdir -p "$out"
 export MOETUNE_CACHE=${MOETUNE_CACHE:-$out/cache}
 export PYTHONUNBUFFERED=1
-steps=${STEPS:-"machine doctor tests bench bench_half sweep"}
+steps=${STEPS:-"machine doctor tests bench bench_half profile sweep"}
 
 step() {  # step NAME LIMIT_S 'COMMAND': run one step if STEPS names it, log its status and seconds
   local name=$1 limit=$2 cmd=$3
@@ -38,18 +41,21 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
 export -f machine
 export out
 
-step machine 30 'machine > "$out/machine.txt" 2>&1'
+step machine 30 'machine > "$out/steps.txt" 2>&1'
 step doctor 150 "engine doctor > '$out/doctor.txt' 2>&1"
 tail -30 "$out/doctor.txt" 2>/dev/null
 step tests 200 "python3 -m pytest tests/engine/test_gpu.py tests/engine/test_quant.py tests/engine/test_ep.py -m gpu -p no:cacheprovider -rfEs --timeout 150 > '$out/tests.txt' 2>&1"
 grep -E '^(FAILED|ERROR|SKIPPED)|passed|failed' "$out/tests.txt" 2>/dev/null | tail -40
 step bench 90 "engine bench --model builtin:qwen3_moe-medium --device cuda --batch 1,32 \
-  --prompt-len 128 --new-tokens 32 --repeats 2 --resident-budget-gib 64 --json > '$out/bench.txt' 2>&1"
+  --prompt-len 128 --new-tokens 32 --repeats 2 --json > '$out/bench.txt' 2>&1"
 tail -6 "$out/bench.txt" 2>/dev/null | cut -c1-400
 step bench_half 90 "engine bench --model builtin:qwen3_moe-medium --device cuda --batch 1,32 \
-  --prompt-len 128 --new-tokens 32 --repeats 2 --resident-budget-gib 1.2 --missing-expert auto --json \
+  --prompt-len 128 --new-tokens 32 --repeats 2 --residency static --resident-budget-gib 1.2 --missing-expert auto --json \
   > '$out/bench_half.txt' 2>&1"
 tail -6 "$out/bench_half.txt" 2>/dev/null | cut -c1-400
+step profile 90 "python3 scripts/decode_profile.py --model builtin:qwen3_moe-medium --batch 1 --steps 10 \
+  --threads $(nproc) --rows 30 device=cuda > '$out/profile.txt' 2>&1"
+grep -E '^batch|^GPU busy|^implicit|^  ' "$out/profile.txt" 2>/dev/null | head -16
 step sweep 90 "engine sweep --model builtin:qwen3_moe-small --device cuda --batch 8 --prompt-len 64 \
   --new-tokens 16 --repeats 1 --json > '$out/sweep.txt' 2>&1"
 tail -25 "$out/sweep.txt" 2>/dev/null | head -24 | cut -c1-300
