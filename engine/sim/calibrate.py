@@ -309,6 +309,7 @@ def _measure_cuda(progress: Progress) -> tuple[dict[str, Any], dict[str, Any]]:
     """The device's expert tables, memory and SM count, and the host <-> device link (CUDA only)."""
     import torch
 
+    from engine.calibrate import device_limits
     from engine.moe.experts import make_version, swiglu
 
     dev = torch.device("cuda", 0)
@@ -333,16 +334,15 @@ def _measure_cuda(progress: Progress) -> tuple[dict[str, Any], dict[str, Any]]:
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
         secs.append(_time(lambda x=x: x @ w.T, 20, sync))
     tables["matmul:bf16@bf16"] = {"x": list(TOKEN_GRID), "seconds": secs, "shape": {"n": h, "k": h}}
-    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    bw = 2 * big.numel() / _time(lambda: big.clone(), 5, sync)
-    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
-    bf16 = 2 * 4096**3 / _time(lambda: a @ a, 10, sync)
+    # The device's read bandwidth, bf16 peak and pinned host-to-device link: the rooflines' own measures.
+    limits = device_limits(dev)
+    bw, bf16 = limits["read_gbps"] * 1e9, limits["peak_gflops"]["bf16"] * 1e9
     progress("link: host <-> device bandwidth, pinned and pageable")
     nbytes = 64 * 2**20
     pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     on_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    link = {"h2d_pinned_bytes_per_s": nbytes / _time(lambda: on_dev.copy_(pinned, non_blocking=True), 5, sync),
+    link = {"h2d_pinned_bytes_per_s": limits["link_gbps"] * 1e9,
             "h2d_pageable_bytes_per_s": nbytes / _time(lambda: on_dev.copy_(pageable), 5, sync),
             "d2h_pinned_bytes_per_s": nbytes / _time(lambda: pinned.copy_(on_dev, non_blocking=True), 5, sync),
             "d2h_pageable_bytes_per_s": nbytes / _time(lambda: pageable.copy_(on_dev), 5, sync),
