@@ -854,6 +854,20 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
                        _int4_reference(x, vals, sz, group, rows))
 
 
+@pytest.mark.parametrize("tokens", [16, 17, 32, 33, 64, 100])
+def test_tiles_past_16_tokens_match_pytorch(tokens):
+    """The tile path past one token group (16 tokens): two groups a block, a group's tail, several blocks of
+    tokens (64, 100), each with blocks of 32 and 16 rows and the rows left over, at inner sizes up to 4096."""
+    if _refused("amx"):
+        return
+    op = _ops()
+    g = torch.Generator().manual_seed(tokens)
+    for rows, inner in [(1000, 1024), (48, 4096), (17, 384), (1536, 1056), (100, 1024)]:
+        x = torch.randn(tokens, inner, generator=g)
+        w = torch.randn(rows, inner, generator=g).bfloat16()
+        _close(op.linear_q(x, w, None, 0, 0, "amx:tile", None), x.bfloat16().float() @ w.float().t())
+
+
 # Every (variant, format, mode) there is: f32 on each, q8 on those with int8 products (avx512_bf16's are
 # avx512_vnni's), bf16dp on avx512_bf16 alone.
 INT_VARIANTS = [v for v in kernels.ISA_VARIANTS if v not in ("avx512_bf16", "amx")]
