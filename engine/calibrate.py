@@ -141,7 +141,8 @@ def device_limits(device: torch.device, fresh: bool = False) -> dict[str, Any]:
       of a buffer of up to 1 GiB (a quarter of the free memory at most);
     - ``link_gbps``: host-to-device copies from pinned memory (256 MiB at most), what a fetched expert crosses;
     - ``peak_gflops``: its matrix products' peak by precision (bf16 and fp16 8192^3, fp32 4096^3 on
-      random data, with the process's TF32 setting).
+      random data, with the process's TF32 setting; halved while three such matrices would take more
+      than a quarter of the free memory).
     Each is the best of five synchronised timings after one warm-up."""
     if device.type != "cuda":
         raise ValueError(f"device_limits: {device} is not an accelerator (the host's limits are "
@@ -166,7 +167,10 @@ def device_limits(device: torch.device, fresh: bool = False) -> dict[str, Any]:
         link = 2 * host.numel() / best_s(lambda: dst[: host.numel()].copy_(host, non_blocking=True))
         return read / 1e9, link / 1e9
 
-    def peak(dtype: torch.dtype, m: int) -> float:
+    def peak(dtype: torch.dtype, m: int, free: int) -> float:
+        size = dtype.itemsize
+        while m > 1024 and 3 * m * m * size > free // 4:  # a device the engine's weights nearly fill
+            m //= 2
         a = torch.randn(m, m, device=device, dtype=dtype)
         b = torch.randn(m, m, device=device, dtype=dtype)
         return 2 * m**3 / best_s(lambda: a @ b) / 1e9
@@ -175,8 +179,8 @@ def device_limits(device: torch.device, fresh: bool = False) -> dict[str, Any]:
         with torch.cuda.device(device):
             free, _ = torch.cuda.mem_get_info(device)
             read, link = memory(int(min(2**30, free // 4)) // 2)
-            peaks = {"bf16": peak(torch.bfloat16, 8192), "fp16": peak(torch.float16, 8192),
-                     "fp32": peak(torch.float32, 4096)}
+            peaks = {"bf16": peak(torch.bfloat16, 8192, free), "fp16": peak(torch.float16, 8192, free),
+                     "fp32": peak(torch.float32, 4096, free)}
             torch.cuda.empty_cache()
         return {"read_gbps": read, "link_gbps": link, "peak_gflops": peaks}
 
