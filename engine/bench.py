@@ -54,6 +54,15 @@ def run_decode(engine: Engine) -> list[float]:
     return steps
 
 
+def _router_path(engine: Engine, tokens: int) -> str:
+    """Where a step of ``tokens`` tokens runs its routers' fp32 products (the crossover measured per machine
+    and router shape: :meth:`MoEDecoder.router_torch_from`)."""
+    if not engine.spec.n_experts:
+        return "-"
+    native = engine.model.native and tokens < engine.model.router_torch_from()
+    return "fp32/native" if native else "fp32/torch"
+
+
 def _tier_counts(engine: Engine, drain: bool = False) -> dict[str, int] | None:
     """The hybrid executor's tier counters (None without one); ``drain``: after its moves in flight."""
     hybrid = engine.model.hybrid
@@ -116,7 +125,8 @@ def bench_batch(engine: Engine, batch: int, prompt_len: int, new_tokens: int, se
         "host_weight_bytes_per_decode_step": decode["host_weight_bytes_per_step"],
         "link_bytes_per_decode_step": decode["link_bytes_per_step"],
         "bandwidth_bound_by": decode["bandwidth_bound_by"],
-        "decode_paths": {"dense": decode["dense_path"], "experts": decode["expert_path"]},
+        "decode_paths": {"dense": decode["dense_path"], "experts": decode["expert_path"],
+                         "router": _router_path(engine, batch)},
         # Decode steps that ran every layer in one native call (MoEDecoder._decode_stack), of all decode steps.
         "decode_steps_fused": engine.model.stats.fused_steps / len(step_s) if step_s else 0.0,
         "bandwidth_roofline_decode_tokens_per_s": decode["bandwidth_roofline_tokens_per_s"],

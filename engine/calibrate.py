@@ -5,7 +5,8 @@
 - the host's memory read bandwidth, the roofline's denominator, and an accelerator's own (its memory,
   the host link and its matrix products' peak) for steps that run there;
 - which path each precision's products take per token count on moetune's native kernels (ISA variant
-  and arithmetic mode) or PyTorch's GEMM, and the peak FLOP/s of each path (the compute roofline).
+  and arithmetic mode) or PyTorch's GEMM, and the peak FLOP/s of each path (the compute roofline);
+- from how many tokens a router's fp32 product is faster on PyTorch's GEMM than on the native kernels.
 """
 
 from __future__ import annotations
@@ -185,6 +186,45 @@ def device_limits(device: torch.device, fresh: bool = False) -> dict[str, Any]:
         return {"read_gbps": read, "link_gbps": link, "peak_gflops": peaks}
 
     return cached(f"device_limits:{torch.cuda.get_device_name(device)}", measure, fresh)
+
+
+ROUTER_TOKEN_POINTS = (1, 2, 4, 8, 16, 32)
+
+
+def router_torch_tokens(n_out: int, inner: int, fresh: bool = False) -> int:
+    """From how many tokens a router's fp32 product (``[tokens, inner]`` by ``[n_out, inner]``) runs faster
+    on PyTorch's GEMM than on the native kernels in the fused decode step: the smallest measured count from
+    which the GEMM was faster at every larger count measured, else 33 (native up to 32 tokens, the native
+    MoE's own limit). Timed at 1, 2, 4, ..., 32 tokens by the kernels' ``time_router``: each product on
+    weights just evicted from the caches (a step streams its experts' megabytes between two routers), called
+    as the step calls it; both ways alternating, the median of 12 each; cached per machine and shape.
+
+    Timed from Python instead, the native op's own dispatch decided it: on the AMX Xeon (64 x 1024) the
+    GEMM looked faster from 1 token, while in the decode step the native product took 254-269 us a step at
+    batch 1 against PyTorch's 680-735, and 539-567 against 808-886 at batch 8 (op timers)."""
+    from engine import kernels
+
+    def measure() -> int:
+        native = kernels.load()
+        if native is None:
+            return 1  # no native kernels: PyTorch at every count
+        w = torch.randn(n_out, inner)
+        faster: dict[int, bool] = {}
+        for t in ROUTER_TOKEN_POINTS:
+            x = torch.randn(t, inner)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(6):
+                for way in ((True, False) if r % 2 == 0 else (False, True)):
+                    times[way] += native.time_router(x, w, way, 3).tolist()[1:]  # each run's first: a warm-up
+            faster[t] = statistics.median(times[False]) < statistics.median(times[True])
+        start = ROUTER_TOKEN_POINTS[-1] + 1
+        for t in reversed(ROUTER_TOKEN_POINTS):
+            if not faster[t]:
+                break
+            start = t
+        return start
+
+    return int(cached(f"router_torch_tokens:{n_out}x{inner}", measure, fresh))
 
 
 def _timed(fn) -> float:

@@ -448,7 +448,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   "decode_experts_touched_per_layer": ".1f"}))
     row = res["rows"][-1]
     print(f"{_limits_line(row['limits'])}; decode products: dense "
-          f"{row['decode_paths']['dense']}, experts {row['decode_paths']['experts']}; "
+          f"{row['decode_paths']['dense']}, experts {row['decode_paths']['experts']}, "
+          f"routers {row['decode_paths']['router']}; "
           f"{row['bytes_per_decode_step'] / 1e6:.0f} MB and {row['flop_per_decode_step'] / 1e9:.2f} GFLOP per step "
           f"at batch {row['batch']} (KV cache {row['kv_bytes_per_decode_step'] / 1e6:.1f} MB, {res['kv_dtype']})")
     if res["ep_ranks"] > 1:  # decode steps: pairs per rank, max/mean per layer, combine bytes per step

@@ -44,9 +44,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-MAX_NATIVE_TOKENS = 32
-"""fp32 products (routers) up to this many tokens run on the native kernels, above it on PyTorch's GEMM.
-Products of bf16/fp16/int8/int4 weights follow the measured paths instead (:func:`path`)."""
 MAX_NATIVE_TOKENS_PER_EXPERT = 32
 """Kept for callers of the previous API: the measured crossover now decides (:func:`fused_moe`)."""
 

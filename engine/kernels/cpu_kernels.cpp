@@ -56,6 +56,8 @@
 //   stream_read(buf f32) -> the sum of buf, read as decode products read weights (kStreams a thread)
 //   evict(t) -> t's bytes flushed from the caches (x86: true), so that the kernel paths are timed on
 //     weights read from memory, as decode reads them
+//   time_router(x[T,K] f32, w[N,K] f32, native, reps) -> seconds [reps] of a router's product as the fused
+//     decode step runs it (native kernels or PyTorch's GEMM), each on weights evicted from the caches
 // and the small fp32 steps between the products, fused so that a decode step of one token is a few
 // calls per layer rather than ~100 (each PyTorch op costs microseconds of dispatch on a slow core):
 //   rmsnorm(x[R,D], w[D], eps), add_rmsnorm_(x += delta, then rmsnorm)
@@ -99,6 +101,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1649,6 +1652,9 @@ struct DecodeStack : torch::CustomClassHolder {
   StepBuffers buf;
   Prepared acts;
   MoeBuffers moe_buf;
+  // Routers' fp32 products run natively below this many tokens, on PyTorch's GEMM from it: the crossover
+  // measured on this machine for the model's router shape (engine.calibrate.router_torch_tokens).
+  int64_t router_torch_from = 33;
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::string qk_norm, double clip,
               int64_t window, double scale, int64_t top_k, bool renorm)
@@ -1812,8 +1818,8 @@ struct DecodeStack : torch::CustomClassHolder {
       if (l.router.defined()) {
         const int64_t E = l.router.size(0);
         const float* logits;
-        at::Tensor wide;  // PyTorch's GEMM's logits, above 32 tokens
-        if (T <= 32) {
+        at::Tensor wide;  // PyTorch's GEMM's logits, from router_torch_from tokens
+        if (T < router_torch_from) {
           run_product(l.route, buf.h.data_ptr<float>(), T, acts, buf.logits.data_ptr<float>());
           logits = buf.logits.data_ptr<float>();
         } else {
@@ -1921,6 +1927,34 @@ bool evict(const at::Tensor& t) {
 #endif
 }
 
+// Seconds of `reps` fp32 products of x [T, K] by the router w [N, K] as the fused decode step runs them: on
+// weights just evicted from the caches, right after a parallel region of the native kernels (the step's
+// previous product's), with no dispatch around them; on the native kernels (run_product) or PyTorch's GEMM
+// (at::linear). What engine.calibrate.router_torch_tokens compares. On the AMX Xeon (64 x 1024), the GEMM
+// took 21.4 us at 1 token alone and 33.2 right after a native region, the native product 16.3 and 18.5; from
+// Python, the native op's own dispatch (about 20 us a call) decided the comparison instead.
+at::Tensor time_router(const at::Tensor& x, const at::Tensor& w, bool native, int64_t reps) {
+  check_act(x, "time_router");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x.size(1),
+              "moetune::time_router: w must be a contiguous float32 [N, ", x.size(1), "]");
+  const int64_t T = x.size(0), N = w.size(0), K = w.size(1);
+  const Product pr = resolve_product(w, std::nullopt, 0, 0, K, "", std::nullopt);
+  at::Tensor y = at::empty({T, N}, x.options());
+  at::Tensor out = at::empty({reps}, x.options().dtype(at::kDouble));
+  double* sp = out.data_ptr<double>();
+  Prepared acts;
+  const at::Tensor before = at::empty({1 << 20}, x.options()).fill_(1.f);  // 4 MiB: the region's stream
+  for (int64_t r = 0; r < reps; ++r) {
+    evict(w);
+    stream_read(before);
+    const auto t0 = std::chrono::steady_clock::now();
+    if (native) run_product(pr, x.data_ptr<float>(), T, acts, y.data_ptr<float>());
+    else at::Tensor z = at::linear(x, w).contiguous();
+    sp[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return out;
+}
+
 }  // namespace mt
 
 TORCH_LIBRARY(moetune, m) {
@@ -1948,6 +1982,7 @@ TORCH_LIBRARY(moetune, m) {
         "float scale, Tensor? k=None, Tensor? v=None) -> Tensor", &decode_attention);
   m.def("stream_read(Tensor buf) -> float", &stream_read);
   m.def("evict(Tensor t) -> bool", &evict);
+  m.def("time_router(Tensor x, Tensor w, bool native, int reps) -> Tensor", &time_router);
   m.def("isa() -> str", &isa);
   m.def("variants() -> (str[], str[])", &variants);
   m.def("set_isa(str name) -> ()", &set_isa);
@@ -1959,6 +1994,11 @@ TORCH_LIBRARY(moetune, m) {
       .def("set_mlp", &DecodeStack::set_mlp)
       .def("set_int8", &DecodeStack::set_int8)
       .def("set_cache", &DecodeStack::set_cache)
+      .def("set_router_torch_from", [](const c10::intrusive_ptr<DecodeStack>& self, int64_t tokens) {
+        TORCH_CHECK(tokens >= 1, "moetune::DecodeStack: router_torch_from must be at least 1, not ", tokens);
+        self->router_torch_from = tokens;
+      })
+      .def("router_torch_from", [](const c10::intrusive_ptr<DecodeStack>& self) { return self->router_torch_from; })
       .def("step", &DecodeStack::step);
 }
 

@@ -207,6 +207,9 @@ class MoEDecoder:
         self.native = self.weight_dtype != dtype  # products through engine.kernels
         if self.native:
             kernels.prepare()  # the measured path per precision and token count (once per machine)
+        # Routers (fp32) run natively below this many tokens, on PyTorch's GEMM from it (measured per machine
+        # and router shape where the native kernels run, once: _router_torch_from).
+        self._router_from: int | None = None
         self.device = device
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
         self.expert_device = expert_device or device
@@ -458,6 +461,7 @@ class MoEDecoder:
                     stack.set_mlp(lw.mlp_w13, lw.mlp_w2)
                 for name, (q, sc) in (lw.int8 or {}).items() if self.dense_precision == "int8" else ():
                     stack.set_int8(name, q, sc)
+            stack.set_router_torch_from(self.router_torch_from())
             prec = experts[0][0] if experts else precision_of(self.weight_dtype)
             self._stack = ((None, None), stack, prec, self.hybrid.stacked if self.hybrid is not None else None)
         (serial, capacity), stack, prec, held = self._stack
@@ -594,11 +598,23 @@ class MoEDecoder:
         """
         return self._prune(*self._route_model(lw, h))
 
+    def router_torch_from(self) -> int:
+        """From how many tokens the routers' products run on PyTorch's GEMM rather than the native kernels
+        (:func:`engine.calibrate.router_torch_tokens`, measured once per machine and router shape; 1 without
+        the native kernels or routers)."""
+        if self._router_from is None:
+            from engine.calibrate import router_torch_tokens
+
+            spec = self.spec
+            self._router_from = (router_torch_tokens(spec.n_experts, spec.hidden_size)
+                                 if self.native and spec.n_experts else 1)
+        return self._router_from
+
     def _route_model(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own routing: softmax over experts in fp32, top-k (the larger of the model's k and
         the override), optional renormalisation: ([T, K'] weights, [T, K'] ids), weights descending."""
         k = self.spec.top_k
-        if self.native and h.shape[0] <= kernels.MAX_NATIVE_TOKENS:
+        if self.native and h.shape[0] < self.router_torch_from():
             logits = kernels.ops().linear(h, lw.router, None)  # [T, E]
             if self.top_k_override <= k:
                 return kernels.ops().route(logits, k, self.spec.norm_topk_prob)

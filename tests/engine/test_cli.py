@@ -61,6 +61,7 @@ def test_bench_json(model_dir, capsys):
         assert row["roofline_decode_tokens_per_s"] > 0 and row["weight_bytes_per_decode_step"] > 0
         assert row["limits"]["device"] == "cpu" and row["limits"]["read_gbps"] == row["mem_bw_gb_per_s"]
         assert row["bandwidth_bound_by"] == "memory" and row["host_weight_bytes_per_decode_step"] == 0
+        assert row["decode_paths"]["router"] in ("fp32/native", "fp32/torch")
         # Every decode step of the plain config runs fused where the native kernels run (recorded per row).
         assert row["decode_steps_fused"] == (1.0 if res["cpu_kernels"].startswith("native") else 0.0)
 

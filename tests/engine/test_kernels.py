@@ -18,6 +18,7 @@ run with PyTorch in fp32, with half the weight bytes; int8 and int4 experts agai
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -530,6 +531,50 @@ def test_the_fused_decode_step_follows_a_change_of_path_between_steps(make_ckpt)
         assert engine.model.stats.fused_steps > 0, forced
         assert fused[1] == per_op[1], forced
         assert all(torch.equal(a, b) for a, b in zip(per_op[0], fused[0], strict=True)), forced
+
+
+@pytest.mark.parametrize("torch_from", [1, 2, 3, 33])
+def test_routers_take_pytorchs_gemm_from_the_measured_token_count_in_both_paths(make_ckpt, torch_from):
+    """Routers' fp32 products run natively below the measured crossover and on PyTorch's GEMM from it: the
+    per-op path's routes are the native op's below it and PyTorch's from it, bit for bit; the fused step is
+    handed the same count and keeps the per-op path's bits (runs of 3, 2 and 1 sequences)."""
+    path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=12, width=32)
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4))
+    model = engine.model
+    model._router_from, model._stack = torch_from, None
+    lw = next(lw for lw in model.layers if lw.router is not None)
+    k = engine.spec.top_k
+    for t in (1, 2, 3, 4):
+        h = torch.randn(t, engine.spec.hidden_size, generator=torch.Generator().manual_seed(t))
+        if t < torch_from:
+            want = _ops().route(_ops().linear(h, lw.router, None), k, engine.spec.norm_topk_prob)
+        else:
+            want = torch.topk(torch.softmax(F.linear(h, lw.router), dim=-1, dtype=torch.float32), k, dim=-1)
+            if engine.spec.norm_topk_prob:
+                want = (want[0] / want[0].sum(dim=-1, keepdim=True), want[1])
+        got = model._route_model(lw, h)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), t
+    per_op, fused = _decode_run(engine, fuse=False), _decode_run(engine, fuse=True)
+    assert model.stats.fused_steps > 0 and model._stack[1].router_torch_from() == torch_from
+    assert fused[1] == per_op[1]
+    assert all(torch.equal(a, b) for a, b in zip(per_op[0], fused[0], strict=True))
+
+
+def test_the_routers_crossover_is_measured_and_kept(tmp_path, monkeypatch):
+    from engine import calibrate
+
+    _ops()  # the kernels loaded from the usual cache before it moves
+    monkeypatch.setenv("MOETUNE_CACHE", str(tmp_path))
+    got = calibrate.router_torch_tokens(16, 256)
+    assert got in (*calibrate.ROUTER_TOKEN_POINTS, calibrate.ROUTER_TOKEN_POINTS[-1] + 1)
+    kept = json.loads((tmp_path / "calibration.json").read_text())
+    assert [v for k, v in kept.items() if k.endswith("router_torch_tokens:16x256")] == [got]
+    x, w = torch.randn(4, 256), torch.randn(16, 256)
+    for native in (True, False):
+        seconds = _ops().time_router(x, w, native, 3)
+        assert seconds.shape == (3,) and bool((seconds > 0).all()) and bool((seconds < 1).all())
+    with pytest.raises(RuntimeError, match="time_router: w must be"):
+        _ops().time_router(x, torch.randn(16, 128), True, 1)
 
 
 def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(make_ckpt):
