@@ -14,6 +14,7 @@
 #   bash scripts/gpu_check.sh                 # all steps
 #   STEPS="tests bench" bash scripts/gpu_check.sh
 # The simulator's check (calibrate on this GPU, then live against simulated) is scripts/gpu_check_sim.sh.
+# On this workplace's device machines (no package index there): scripts/gpu_wheels.sh, then its command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
