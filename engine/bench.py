@@ -59,8 +59,7 @@ def _router_path(engine: Engine, tokens: int) -> str:
     and router shape: :meth:`MoEDecoder.router_torch_from`)."""
     if not engine.spec.n_experts:
         return "-"
-    native = engine.model.native and tokens < engine.model.router_torch_from()
-    return "fp32/native" if native else "fp32/torch"
+    return "fp32/native" if engine.model.routes_natively(tokens) else "fp32/torch"
 
 
 def _tier_counts(engine: Engine, drain: bool = False) -> dict[str, int] | None:

@@ -208,7 +208,7 @@ class MoEDecoder:
         if self.native:
             kernels.prepare()  # the measured path per precision and token count (once per machine)
         # Routers (fp32) run natively below this many tokens, on PyTorch's GEMM from it (measured per machine
-        # and router shape where the native kernels run, once: _router_torch_from).
+        # and router shape where the native kernels run, once: router_torch_from).
         self._router_from: int | None = None
         self.device = device
         # Where the stacked expert weights are loaded: the host when only some experts may be resident.
@@ -610,11 +610,15 @@ class MoEDecoder:
                                  if self.native and spec.n_experts else 1)
         return self._router_from
 
+    def routes_natively(self, tokens: int) -> bool:
+        """Whether a step of ``tokens`` tokens runs its routers' products on the native kernels."""
+        return tokens < self.router_torch_from()
+
     def _route_model(self, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own routing: softmax over experts in fp32, top-k (the larger of the model's k and
         the override), optional renormalisation: ([T, K'] weights, [T, K'] ids), weights descending."""
         k = self.spec.top_k
-        if self.native and h.shape[0] < self.router_torch_from():
+        if self.routes_natively(h.shape[0]):
             logits = kernels.ops().linear(h, lw.router, None)  # [T, E]
             if self.top_k_override <= k:
                 return kernels.ops().route(logits, k, self.spec.norm_topk_prob)
