@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch.profiler over a few decode steps of one batch, by op.
 
     python scripts/decode_profile.py --model builtin:qwen3_moe-medium --batch 32 [--steps 10] [--threads 2]
-                                     [--python] [--per-op]
+                                     [--python] [--per-op] [--phases]
 
 Loads the engine with its defaults (knobs as ``KEY=VALUE`` after the options, e.g.
 ``hi_precision=int8``), warms it up with one short `engine bench` batch, prefills ``--batch``
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25, help="ops shown")
     ap.add_argument("--python", action="store_true", help="cProfile (Python functions) instead of torch.profiler")
     ap.add_argument("--per-op", action="store_true", help="decode steps op by op, not fused (see each op)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time --steps more fused steps by phase (the fused step's own clocks)")
     ap.add_argument("knobs", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,7 +64,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     for i in range(args.batch):
         engine.add(f"p{i}", torch.randint(0, engine.spec.vocab_size, (args.prompt_len,), generator=g).tolist(),
-                   args.steps + 1)
+                   args.steps * (2 if args.phases else 1) + 1)
     while any(not s.decoding for s in engine.running) or engine.waiting:
         engine.step()
     cuda = engine.device.type == "cuda"
@@ -86,8 +88,35 @@ def main() -> None:
             gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3 / max(1, n)
             launches = sum(e.count for e in ops if "LaunchKernel" in e.key) / max(1, n)
             print(f"GPU busy {gpu_ms:.2f} ms of a {step_s * 1e3:.2f} ms step; {launches:.0f} kernel launches a step")
+    if args.phases:
+        print_phases(engine, args.batch, args.steps)
     if cuda and engine.has_work:
         print_syncs(engine)
+
+
+def print_phases(engine: Engine, batch: int, steps: int) -> None:
+    """``steps`` more decode steps, unprofiled, timed by the fused step's phases (DecodeStack.set_timing):
+    ms a step per phase, and what the step spends outside the fused call (lm head, sampling, Python)."""
+    stack = engine.model._stack[1] if engine.model._stack is not None else None
+    if stack is None:
+        print("phases: no fused step ran (per-op path); see the profile above")
+        return
+    stack.set_timing(True)
+    n, t = 0, time.perf_counter()
+    while engine.has_work and n < steps:
+        engine.step()
+        n += 1
+    step_s = (time.perf_counter() - t) / max(1, n)
+    names, seconds, timed = stack.phase_seconds()
+    stack.set_timing(False)
+    timed = max(1, timed)
+    fused_ms = sum(seconds) * 1e3 / timed
+    print(f"phases of {timed} fused steps at batch {batch}: {step_s * 1e3:.2f} ms a step "
+          f"({batch / step_s:.1f} tok/s), {fused_ms:.2f} in the fused call")
+    for name, sec in sorted(zip(names, seconds, strict=True), key=lambda p: -p[1]):
+        if sec > 0:
+            print(f"  {name:12s} {sec * 1e3 / timed:8.3f} ms")
+    print(f"  {'outside':12s} {step_s * 1e3 - fused_ms:8.3f} ms  (lm head, sampling, Python)")
 
 
 def print_syncs(engine: Engine) -> None:

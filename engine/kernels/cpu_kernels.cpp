@@ -1631,6 +1631,29 @@ struct DecodeLayer {
   Path experts_path{};
 };
 
+// The fused step's phases, as DecodeStack.phase_seconds names them (kPhaseNames): where a step's time goes
+// when the whole step is one native call and a profiler sees one op (scripts/decode_profile.py).
+enum Phase { kNorms, kQkv, kRope, kAttention, kWo, kRouter, kRoute, kExperts, kShared, kMlp, kPhases };
+constexpr const char* kPhaseNames[kPhases] = {"norms", "qkv",     "rope",    "attention", "wo",
+                                              "router", "routing", "experts", "shared",    "mlp"};
+
+// Seconds by phase, summed over the steps since it was switched on; off, no clock is read.
+struct PhaseClock {
+  bool on = false;
+  int64_t steps = 0;
+  double seconds[kPhases] = {};
+  std::chrono::steady_clock::time_point last;
+  void start() {
+    if (on) last = std::chrono::steady_clock::now(), ++steps;
+  }
+  void mark(Phase ph) {  // the time since the last mark (or start) was phase ph's
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    seconds[ph] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
 // What a step of T tokens writes, kept from step to step while T stays (DecodeStack::buffers).
 struct StepBuffers {
   int64_t T = -1;
@@ -1655,6 +1678,7 @@ struct DecodeStack : torch::CustomClassHolder {
   // Routers' fp32 products run natively below this many tokens, on PyTorch's GEMM from it: the crossover
   // measured on this machine for the model's router shape (engine.calibrate.router_torch_tokens).
   int64_t router_torch_from = 33;
+  PhaseClock clock;
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, std::string qk_norm, double clip,
               int64_t window, double scale, int64_t top_k, bool renorm)
@@ -1803,17 +1827,24 @@ struct DecodeStack : torch::CustomClassHolder {
     at::Tensor ids_out = at::empty({n_moe, T, top_k}, x.options().dtype(at::kLong));
     at::Tensor gates_out = at::empty({n_moe, T, top_k}, x.options());
     float* xp = x.data_ptr<float>();
+    clock.start();
     rmsnorm_into(xp, layers[0].ln1.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
+    clock.mark(kNorms);
     int64_t mi = 0;
     for (size_t i = 0; i < layers.size(); ++i) {
       DecodeLayer& l = layers[i];
       const at::Tensor qkv = dense(l.qkv, buf.h, l.wqkv, l.bqkv, l.wqkv_s, dense_path, buf.qkv);
+      clock.mark(kQkv);
       qk_rope_into(qkv, n_heads, n_kv, head_dim, opt(l.q_norm), opt(l.k_norm), qk_norm, eps, clip, cos, sin, buf.q,
                    buf.k, buf.v);
+      clock.mark(kRope);
       decode_attention_into(buf.q, kc[i], vc[i], slots, lens, window, scale, buf.k, buf.v, buf.att);
+      clock.mark(kAttention);
       const at::Tensor o = dense(l.o, l.o.N ? buf.att : buf.att.view({T, n_heads * head_dim}), l.wo, l.bo, l.wo_s,
                                  dense_path, buf.o);
+      clock.mark(kWo);
       add_rmsnorm_into(xp, o.data_ptr<float>(), l.ln2.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
+      clock.mark(kNorms);
       at::Tensor y = buf.y;
       if (l.router.defined()) {
         const int64_t E = l.router.size(0);
@@ -1826,25 +1857,32 @@ struct DecodeStack : torch::CustomClassHolder {
           wide = at::linear(buf.h, l.router).contiguous();
           logits = wide.data_ptr<float>();
         }
+        clock.mark(kRouter);
         route_into(logits, T, E, top_k, renorm, buf.gates.data_ptr<float>(), buf.ids.data_ptr<int64_t>());
+        clock.mark(kRoute);
         if (l.experts.w13.empty()) y.zero_();
         else
           run_moe_into(buf.h.data_ptr<float>(), T, l.experts, l.experts_path, buf.ids.data_ptr<int64_t>(),
                        buf.gates.data_ptr<float>(), top_k, moe_path, moe_buf, y.data_ptr<float>());
-        if (l.shared_w13.defined())
+        clock.mark(kExperts);
+        if (l.shared_w13.defined()) {
           y = at::add(y, at::mul(at::sigmoid(at::linear(buf.h, l.shared_gate)), mlp_path(buf.h, l.shared_w13, l.shared_w2,
                                                                                          dense_path, l.shared_s13,
                                                                                          l.shared_s2)));
+          clock.mark(kShared);
+        }
         std::memcpy(ids_out.data_ptr<int64_t>() + mi * T * top_k, buf.ids.data_ptr<int64_t>(), T * top_k * sizeof(int64_t));
         std::memcpy(gates_out.data_ptr<float>() + mi * T * top_k, buf.gates.data_ptr<float>(), T * top_k * sizeof(float));
         ++mi;
       } else {
         y = mlp_path(buf.h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
+        clock.mark(kMlp);
       }
       if (i + 1 < layers.size())
         add_rmsnorm_into(xp, y.data_ptr<float>(), layers[i + 1].ln1.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
       else
         x.add_(y);
+      clock.mark(kNorms);
     }
     return {ids_out, gates_out};
   }
@@ -1999,6 +2037,17 @@ TORCH_LIBRARY(moetune, m) {
         self->router_torch_from = tokens;
       })
       .def("router_torch_from", [](const c10::intrusive_ptr<DecodeStack>& self) { return self->router_torch_from; })
+      // Phase timers of the steps (off by default): set_timing(True) clears and starts them.
+      .def("set_timing", [](const c10::intrusive_ptr<DecodeStack>& self, bool on) {
+        self->clock = PhaseClock{};
+        self->clock.on = on;
+      })
+      // (phase names, seconds summed over the timed steps, steps timed)
+      .def("phase_seconds", [](const c10::intrusive_ptr<DecodeStack>& self) {
+        std::vector<std::string> names(kPhaseNames, kPhaseNames + kPhases);
+        std::vector<double> seconds(self->clock.seconds, self->clock.seconds + kPhases);
+        return std::make_tuple(names, seconds, self->clock.steps);
+      })
       .def("step", &DecodeStack::step);
 }
 

@@ -533,6 +533,36 @@ def test_the_fused_decode_step_follows_a_change_of_path_between_steps(make_ckpt)
         assert all(torch.equal(a, b) for a, b in zip(per_op[0], fused[0], strict=True)), forced
 
 
+@pytest.mark.parametrize("arch,overrides", [("qwen2_moe", {"mlp_only_layers": [0]}), ("qwen3_moe", {})])
+def test_the_fused_steps_phase_timers_count_the_timed_steps_and_change_no_bits(make_ckpt, arch, overrides):
+    """DecodeStack.set_timing(True) times each fused step by phase (what decode_profile.py --phases prints):
+    off by default, nothing counted; on, every timed step is counted and each phase the model has takes
+    time (a shared expert and a dense MLP where the family has them), the phases' sum within the steps' wall
+    time; off again, the counts clear. The timed steps keep the untimed steps' bits."""
+    path = make_ckpt(arch, dtype="bfloat16", seed=13, width=32, **overrides)
+    engine = Engine(path, EngineConfig().replace(compute_dtype="float32", max_batch_seqs=4))
+    untimed = _decode_run(engine, fuse=True)
+    stack = engine.model._stack[1]
+    names, seconds, steps = stack.phase_seconds()
+    assert names == ["norms", "qkv", "rope", "attention", "wo", "router", "routing", "experts", "shared", "mlp"]
+    assert steps == 0 and seconds == [0.0] * len(names)
+    stack.set_timing(True)
+    t = time.perf_counter()
+    timed = _decode_run(engine, fuse=True)
+    wall_s = time.perf_counter() - t
+    names, seconds, steps = stack.phase_seconds()
+    assert steps == engine.model.stats.fused_steps > 0  # _decode_run counts its own steps
+    has = {"shared": engine.model.layers[-1].shared_w13 is not None,
+           "mlp": any(lw.router is None for lw in engine.model.layers)}
+    for name, sec in zip(names, seconds, strict=True):
+        assert (sec > 0) == has.get(name, True), (name, sec)
+    assert 0 < sum(seconds) < wall_s
+    assert timed[1] == untimed[1]
+    assert all(torch.equal(a, b) for a, b in zip(untimed[0], timed[0], strict=True))
+    stack.set_timing(False)
+    assert stack.phase_seconds()[2] == 0 and sum(stack.phase_seconds()[1]) == 0.0
+
+
 @pytest.mark.parametrize("torch_from", [1, 2, 3, 33])
 def test_routers_take_pytorchs_gemm_from_the_measured_token_count_in_both_paths(make_ckpt, torch_from):
     """Routers' fp32 products run natively below the measured crossover and on PyTorch's GEMM from it: the
