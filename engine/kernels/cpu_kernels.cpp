@@ -2749,10 +2749,14 @@ void moe_kind(const MoeJob& j, float* op) {
 // a head size, or nullptr where this variant has none: its fallback's, else the scalar loop in
 // decode_attention_impl, serves it.
 #if MT_ISA == MT_AVX2 || MT_ISA == MT_AVX512
-// [p, p + bytes) into L2 (prefetcht1), a line at a time.
+// [p, p + bytes) into L2 (prefetcht1), a line at a time. An asm statement, not _mm_prefetch: GCC deletes a
+// loop whose body is nothing but __builtin_prefetch (a hint it need not keep), and -O3 did so here: until
+// 2026-12-05 every such loop in attend_rows but its first compiled to nothing (objdump: one prefetcht1 in
+// each variant's attend_rows), so the blocks' prefetches below never ran. tests/engine/test_kernels.py
+// counts them in the built library.
 inline void prefetch_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+  for (int64_t i = 0; i < bytes; i += 64) __asm__ volatile("prefetcht1 %0" : : "m"(c[i]));
 }
 
 // The cache rows come from memory (a batch-32 step reads the weights' 1.5 GB between two reads of a
@@ -2760,6 +2764,26 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 // kAttendAhead positions ahead, and each block's values while the scores are computed (AMX Xeon, batch 32,
 // 16 layers of 160 positions, fp32: 13.5 -> 11.1 ms; the same from cache 6.6).
 constexpr int64_t kAttendAhead = 32;
+
+// An item's first prefetches: all of its keys and values where they fit kAttendWhole (a decode's item of up
+// to 1024 positions of 64 fp32 lanes), every line in flight at once; else its first kAttendAhead keys, the
+// rest streamed block by block (prefetch_block). Medium preset, AMX Xeon, 2 threads, 16 layers of about
+// 130-190 positions, fp32 cache; the attention phase of scripts/decode_profile.py --phases (ms a step, 3
+// interleaved rounds of: as built before / with the blocks' prefetches running / and whole items):
+// batch 32 12.30 / 10.47 / 10.11, 12.14 / 10.48 / 10.57, 11.59 / 10.24 / 9.95; batch 1 (2 rounds) 0.83 /
+// 0.69 / 0.72, 0.80 / 0.70 / 0.73. The middle build's batch-32 products (qkv 2.6-3.0 -> 5.9-6.3 ms, wo
+// 2.0-2.4 -> 4.2-4.6, in all 3 rounds) slowed down for no reason found; with whole items they did not.
+constexpr int64_t kAttendWhole = 512 << 10;  // bytes of an item's keys and values; L2 holds 2 MB a core there
+template <typename C>
+inline void prefetch_item(const C* K, const C* V, int64_t lo, int64_t n, int64_t d) {
+  const int64_t row = d * static_cast<int64_t>(sizeof(C));
+  if (2 * n * row <= kAttendWhole) {
+    prefetch_l2(K + lo * d, n * row);
+    prefetch_l2(V + lo * d, n * row);
+  } else {
+    prefetch_l2(K + lo * d, std::min(kAttendAhead, n) * row);
+  }
+}
 
 // The prefetches of a block of `lanes` positions from j0: the keys kAttendAhead positions on, the block's values.
 template <typename C>
@@ -2872,8 +2896,8 @@ inline void weighted_heads16(const float* w, int64_t n, const C* V, int64_t d, i
 template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
-  const int64_t n = len - lo, row = d * static_cast<int64_t>(sizeof(C));
-  prefetch_l2(K + lo * d, std::min(kAttendAhead, n) * row);
+  const int64_t n = len - lo;
+  prefetch_item(K, V, lo, n, d);
   for (int64_t j0 = lo; j0 < len; j0 += 16) {
     prefetch_block(K, V, j0, 16, len, d);
     const C* kr[16];
@@ -2944,8 +2968,7 @@ template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
   const int64_t n = len - lo;
-  const int64_t row = d * static_cast<int64_t>(sizeof(C));
-  prefetch_l2(K + lo * d, std::min(kAttendAhead, n) * row);
+  prefetch_item(K, V, lo, n, d);
   for (int64_t j0 = lo; j0 < len; j0 += 8) {
     prefetch_block(K, V, j0, 8, len, d);
     const C* kr[8];

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -1101,6 +1102,31 @@ def test_a_baseline_build_dispatches_the_same_variants(tmp_path, monkeypatch):
     assert res.returncode == 0, res.stderr[-2000:]
     isa, compiled = res.stdout.split()
     assert isa == kernels.status()["isa"] and compiled.split(",") == list(kernels.ISA_VARIANTS)
+
+
+@pytest.mark.skipif(not X86, reason="the prefetches are x86 instructions")
+def test_the_attention_kernels_prefetches_survive_the_compiler():
+    """Every prefetch loop of the decode attention kernels is in the built library: GCC deletes a loop whose
+    body is only __builtin_prefetch, and did so to all but the first of attend_rows' loops until 2026-12-05
+    (one prefetcht1 in each). An item's keys and values, and each block's keys ahead and values: at least 3
+    prefetch instructions in each variant's kernel, fp32 and bf16 caches (objdump comes with the compiler)."""
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils, installed with the C++ compiler) not found"
+    dis = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", str(kernels.status()["library"])],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    counts: dict[str, int] = {}
+    fn = None
+    for line in dis.splitlines():
+        if line.endswith(">:"):
+            fn = line[line.index("<") + 1:-2]
+            fn = fn if "::attend_rows<" in fn and not fn.endswith("@plt") else None
+            if fn:
+                counts[fn] = 0
+        elif fn and "prefetcht1" in line:
+            counts[fn] += 1
+    kernels_found = {f.split("::")[1] + ("/bf16" if "unsigned short" in f else "/fp32") for f in counts}
+    assert kernels_found == {"v_avx2/fp32", "v_avx2/bf16", "v_avx512/fp32", "v_avx512/bf16"}, counts
+    assert all(c >= 3 for c in counts.values()), counts
 
 
 # ---------------------------------------------------------------------------------------- path table
