@@ -10,6 +10,7 @@ Shapes: T tokens in the step, H hidden, E experts, K top-k, I expert width, S se
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -410,7 +411,7 @@ class MoEDecoder:
         if not rows:
             return torch.empty(0, spec.vocab_size)
         xr = x.index_select(0, torch.tensor(rows, device=self.device))
-        xr = rms_norm(xr, self.final_norm, spec.rms_eps)
+        xr = self._norm(xr, self.final_norm)
         head_q = self.lm_head_int8 if self.dense_precision == "int8" else None
         return self._linear(xr, self.lm_head, None, head_q).float()  # [S', V]
 
@@ -730,19 +731,23 @@ class _AttentionPlan:
         if decode:
             self.decode_rows = torch.tensor([s.start for s in decode], device=device)
             self.lens = lens = torch.tensor([s.past_len + 1 for s in decode], device=device)
-            max_len = int(lens.max())
-            self.max_len = max_len
-            ar = torch.arange(max_len, device=device)
-            mask = ar[None, :] < lens[:, None]  # [B, L]
-            if self.window is not None:
-                mask &= ar[None, :] >= (lens[:, None] - self.window)
-            self.decode_mask = mask[:, None, None, :]  # [B, 1, 1, L]
+            self.max_len = int(lens.max())
             slot_ids = [s.slot for s in decode]
             lo = min(slot_ids)
             # Contiguous ascending slots can be a view of the cache; otherwise gather (a copy).
             self.slot_range = (lo, lo + len(slot_ids)) if slot_ids == list(range(lo, lo + len(slot_ids))) else None
             self.slot_index = torch.tensor(slot_ids, device=device)
         self.device = device
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[B, 1, 1, L]: which cached positions each decode row attends to (PyTorch's decode attention; the
+        native kernels read the lengths, so a fused step never builds it: 0.14 ms of a batch-32 step)."""
+        ar = torch.arange(self.max_len, device=self.device)
+        mask = ar[None, :] < self.lens[:, None]  # [B, L]
+        if self.window is not None:
+            mask &= ar[None, :] >= (self.lens[:, None] - self.window)
+        return mask[:, None, None, :]
 
     def gather(self, c: torch.Tensor) -> torch.Tensor:
         if self.slot_range is not None:
