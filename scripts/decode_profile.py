@@ -109,14 +109,16 @@ def print_phases(engine: Engine, batch: int, steps: int) -> None:
     step_s = (time.perf_counter() - t) / max(1, n)
     names, seconds, timed = stack.phase_seconds()
     stack.set_timing(False)
-    timed = max(1, timed)
-    fused_ms = sum(seconds) * 1e3 / timed
+    fused_ms = sum(seconds) * 1e3 / max(1, timed)
     print(f"phases of {timed} fused steps at batch {batch}: {step_s * 1e3:.2f} ms a step "
           f"({batch / step_s:.1f} tok/s), {fused_ms:.2f} in the fused call")
     for name, sec in sorted(zip(names, seconds, strict=True), key=lambda p: -p[1]):
         if sec > 0:
-            print(f"  {name:12s} {sec * 1e3 / timed:8.3f} ms")
-    print(f"  {'outside':12s} {step_s * 1e3 - fused_ms:8.3f} ms  (lm head, sampling, Python)")
+            print(f"  {name:12s} {sec * 1e3 / max(1, timed):8.3f} ms")
+    if timed == n:  # every step fused: the rest of a step is outside the call
+        print(f"  {'outside':12s} {step_s * 1e3 - fused_ms:8.3f} ms  (lm head, sampling, Python)")
+    else:
+        print(f"  ({n - timed} of the {n} steps ran op by op: no time outside the call to show)")
 
 
 def print_syncs(engine: Engine) -> None:
