@@ -742,7 +742,8 @@ class _AttentionPlan:
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
         """[B, 1, 1, L]: which cached positions each decode row attends to (PyTorch's decode attention; the
-        native kernels read the lengths, so a fused step never builds it: 0.14 ms of a batch-32 step)."""
+        native kernels read the lengths, so a fused step never builds it: its plan took 0.14 -> 0.09 ms at batch
+        32 without it)."""
         ar = torch.arange(self.max_len, device=self.device)
         mask = ar[None, :] < self.lens[:, None]  # [B, L]
         if self.window is not None:
