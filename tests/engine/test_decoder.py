@@ -1,5 +1,6 @@
 """The KV cache: on the CPU it holds every position from the start, commits memory only where positions are
-written, and never moves; where it grows, it keeps what it holds."""
+written, and never moves; where it grows, it keeps what it holds. The rotary tables: the CPU's rows from a
+table are the rows computed per step, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.checkpoint import Checkpoint
-from engine.model.decoder import KVCache
+from engine.model.decoder import KVCache, RoPE
 from engine.model.maker import make_model
 from engine.runtime import Engine
 
@@ -77,3 +78,16 @@ def test_the_engine_decodes_past_its_first_pages_on_a_cache_that_never_moves(tmp
     grown = eng.generate([prompt], 40)[0]
     assert eng.cache.capacity >= 290  # grown twice: 64 -> 250 for the prompt, then doubled
     assert grown == reserved
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 12])
+def test_rope_rows_from_the_table_are_the_rows_computed_per_step(head_dim):
+    rope = RoPE(head_dim, 1e6, torch.device("cpu"))
+    steps = [torch.tensor([0]), torch.arange(3, 40), torch.tensor([300, 7, 4000]), torch.arange(4090, 4130),
+             torch.tensor([RoPE.TABLE_POSITIONS - 1]), torch.tensor([5, RoPE.TABLE_POSITIONS + 9])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for positions in steps:  # rising positions grow the table; past its cap they are computed
+            got, ref = rope.cos_sin(positions, dtype), rope._compute(positions, dtype)
+            assert got[0].dtype == dtype and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert rope._tables[dtype][0].shape[0] == RoPE.TABLE_POSITIONS
+    assert rope.cos_sin(torch.empty(0, dtype=torch.long), torch.float32)[0].shape == (0, head_dim)
