@@ -744,11 +744,11 @@ class _AttentionPlan:
         decode = [s for s in batch.segments if s.n_tokens == 1 and s.past_len > 0]
         self.prefill = [s for s in batch.segments if not (s.n_tokens == 1 and s.past_len > 0)]
         self.window = cache.spec.sliding_window
+        starts = [s.start for s in decode]
         # A decode-only step whose rows are its decode tokens in order (as the runtime lays them out).
-        self.all_decode = not self.prefill and [s.start for s in decode] == list(range(len(decode)))
-        self.decode_starts: list[int] | None = None
+        self.all_decode = not self.prefill and starts == list(range(len(decode)))
+        self.decode_starts: list[int] | None = starts or None
         if decode:
-            self.decode_starts = [s.start for s in decode]
             lens = [s.past_len + 1 for s in decode]
             self.lens = torch.tensor(lens, device=device)
             self.max_len = max(lens)
