@@ -106,4 +106,5 @@ def measured_spin_count() -> tuple[int, str]:
     except Exception as e:  # no compiler, an unwritable cache, a foreign platform
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         return FALLBACK_SPIN_COUNT, f"pause not timed: {reason}"
+    pause = round(pause, 1)  # the count follows from the pause as recorded, so the record reproduces it
     return spin_count(pause), f"{SPIN_TARGET_US:.0f} us of {pause:.1f} ns pauses"

@@ -105,3 +105,15 @@ def test_huge_pages_the_user_turned_off_stay_off_and_torch_first_is_recorded():
     assert advised == "False" and record.startswith("THP_MEM_ALLOC_ENABLE=0 (environment; kernel THP ")
     out = _huge(HUGE.replace("import engine, torch\n", "import torch, engine\n"))
     assert out[0] == "False" and out[1].startswith("off (torch was imported before the engine; kernel THP ")
+
+
+@pytest.mark.parametrize("pause_ns", [12.96, 12.94, 11.05, 0.04])
+def test_the_recorded_pause_reproduces_the_spin_count_it_chose(monkeypatch, pause_ns):
+    # 12.94 ns is 7700 spins but was recorded as 12.9 ns, which is 7800 (CI, 2026-12-06): the count must follow
+    # from the pause as recorded
+    import engine.spin as spin
+
+    monkeypatch.setattr(spin, "pause_ns", lambda: pause_ns)
+    count, how = spin.measured_spin_count()
+    recorded = float(re.fullmatch(r"100 us of ([\d.]+) ns pauses", how)[1])
+    assert count == spin_count(recorded)
