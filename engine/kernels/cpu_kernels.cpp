@@ -1813,19 +1813,27 @@ struct DecodeStack : torch::CustomClassHolder {
   void invalidate() { dense_ok = moe_ok = false; }  // weights changed: resolve again at the next step
 
   // x [T, H] fp32, the residual stream, updated in place; cos/sin [T, d]; slots/lens [T] int64 (the
-  // decode attention's). Returns the routed (ids, gates) of every MoE layer, [MoE layers, T, k].
-  std::tuple<at::Tensor, at::Tensor> step(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
-                                          at::Tensor lens, std::string dense_path, std::string moe_path) {
+  // decode attention's). Returns the routed (ids, gates) of every MoE layer, [MoE layers, T, k], and the
+  // tokens routed to each expert, [MoE layers, E] int64 (skipped slots, id -1, not counted): what the
+  // engine's plans and statistics read, counted here: numpy's counting after a step that streamed the
+  // weights through the caches ran cold (MoEDecoder._fused_decode has the figures).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> step(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                                      at::Tensor lens, std::string dense_path, std::string moe_path) {
     check_act(x, "DecodeStack.step");
     TORCH_CHECK(kc.size() == layers.size(), "moetune::DecodeStack: set_cache first");
     const int64_t T = x.size(0), H = x.size(1);
     check_vec(layers[0].ln1, H, "DecodeStack.step");
     resolve(dense_path, moe_path, H);
     buffers(T, x);
-    int64_t n_moe = 0;
-    for (const auto& l : layers) n_moe += l.router.defined();
+    int64_t n_moe = 0, n_experts = 0;
+    for (const auto& l : layers) {
+      if (!l.router.defined()) continue;
+      ++n_moe;
+      n_experts = std::max(n_experts, l.router.size(0));
+    }
     at::Tensor ids_out = at::empty({n_moe, T, top_k}, x.options().dtype(at::kLong));
     at::Tensor gates_out = at::empty({n_moe, T, top_k}, x.options());
+    at::Tensor counts_out = at::zeros({n_moe, n_experts}, x.options().dtype(at::kLong));
     float* xp = x.data_ptr<float>();
     clock.start();
     rmsnorm_into(xp, layers[0].ln1.data_ptr<float>(), T, H, eps, buf.h.data_ptr<float>());
@@ -1873,6 +1881,9 @@ struct DecodeStack : torch::CustomClassHolder {
         }
         std::memcpy(ids_out.data_ptr<int64_t>() + mi * T * top_k, buf.ids.data_ptr<int64_t>(), T * top_k * sizeof(int64_t));
         std::memcpy(gates_out.data_ptr<float>() + mi * T * top_k, buf.gates.data_ptr<float>(), T * top_k * sizeof(float));
+        int64_t* counts = counts_out.data_ptr<int64_t>() + mi * n_experts;
+        for (const int64_t* id = buf.ids.data_ptr<int64_t>(), *end = id + T * top_k; id < end; ++id)
+          if (*id >= 0) ++counts[*id];
         ++mi;
       } else {
         y = mlp_path(buf.h, l.mlp_w13, l.mlp_w2, dense_path, l.mlp_s13, l.mlp_s2);
@@ -1884,7 +1895,7 @@ struct DecodeStack : torch::CustomClassHolder {
         x.add_(y);
       clock.mark(kNorms);
     }
-    return {ids_out, gates_out};
+    return {ids_out, gates_out, counts_out};
   }
 };
 

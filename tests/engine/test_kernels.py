@@ -473,17 +473,20 @@ def test_engine_on_the_paths_this_cpu_picks_stays_within_their_precision(make_ck
     assert auto.split(":")[-1] in native.kernels_label or auto.startswith("torch:"), native.kernels_label
 
 
-def _decode_run(engine: Engine, fuse: bool) -> tuple[list[torch.Tensor], list[list[int]], dict, list]:
-    """Logits of every step, greedy tokens, routed counts and recorded routes of 3 prompts of different
-    lengths (prompt steps, then decode-only steps of 3, 2 and 1 sequences)."""
+def _decode_run(engine: Engine, fuse: bool) -> tuple[list[torch.Tensor], list[list[int]], dict, list, list]:
+    """Logits of every step, greedy tokens, routed counts, recorded routes and each step's statistics (the
+    last step's counts per layer, distinct experts, layer calls) of 3 prompts of different lengths (prompt
+    steps, then decode-only steps of 3, 2 and 1 sequences)."""
     model, logits = engine.model, []
     model.fuse_decode, model.record_routes = fuse, True
     model.stats.reset()
-    forward, routes = model.forward, []
+    forward, routes, stats = model.forward, [], []
 
     def record(batch, cache):
         logits.append(forward(batch, cache))
         routes.append([(r.layer, r.expert_ids.clone(), r.gate_weights.clone()) for r in model.routes])
+        st = model.stats
+        stats.append(({k: v.tolist() for k, v in st.last.items()}, st.distinct_experts, st.layer_calls))
         return logits[-1]
 
     model.forward = record
@@ -491,7 +494,7 @@ def _decode_run(engine: Engine, fuse: bool) -> tuple[list[torch.Tensor], list[li
         tokens = engine.generate([PROMPTS[0], PROMPTS[1][:5], PROMPTS[0][:2]], 6)
     finally:
         model.forward = forward
-    return logits, tokens, {k: v.copy() for k, v in model.stats.counts.items()}, routes
+    return logits, tokens, {k: v.copy() for k, v in model.stats.counts.items()}, routes, stats
 
 
 @pytest.mark.parametrize("arch,overrides,knobs", [
@@ -517,6 +520,7 @@ def test_a_fused_decode_step_gives_the_per_op_paths_bits(make_ckpt, arch, overri
         [[(layer, i.tolist(), g.tolist()) for layer, i, g in step] for step in fused[3]]
     assert sorted(fused[2]) == list(engine.spec.moe_layers)
     assert all(np.array_equal(per_op[2][k], fused[2][k]) for k in fused[2])
+    assert fused[4] == per_op[4]  # the step's own counts: each step's last counts, distinct experts, calls
 
 
 def test_the_fused_decode_step_follows_a_change_of_path_between_steps(make_ckpt):

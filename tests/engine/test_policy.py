@@ -682,3 +682,29 @@ def test_replicas_go_to_the_most_tokens_per_copy_as_if_one_at_a_time(seed):
         want = _replicas_one_at_a_time(counts, 1.5, max_replicas, spare, 100)
         assert plan_replicas(counts, 1.5, max_replicas, spare, 100) == want
     assert any(want.values())
+
+
+def test_moe_stats_per_step_and_per_layer_records_agree():
+    """add_step (the fused step's whole-step record, its last counts split by layer only when read) keeps
+    what add (layer by layer) keeps: accumulated counts, the last step's counts, distinct experts, calls."""
+    from engine.moe.policy.plan import MoEStats
+
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(0, 3, (3, 5)) for _ in range(4)]
+    whole, by_layer = MoEStats(), MoEStats()
+    for i, c in enumerate(steps):
+        layers = (1, 2, 4)
+        whole.add_step(layers, c)
+        for li, layer in enumerate(layers):
+            by_layer.add(layer, c[li])
+        if i == 1:  # a layer recorded on its own between whole steps
+            whole.add(4, np.array([1, 0, 0, 0, 2]))
+            by_layer.add(4, np.array([1, 0, 0, 0, 2]))
+        assert {k: v.tolist() for k, v in whole.last.items()} == {k: v.tolist() for k, v in by_layer.last.items()}
+        assert {k: v.tolist() for k, v in whole.counts.items()} == {k: v.tolist() for k, v in by_layer.counts.items()}
+    assert (whole.distinct_experts, whole.layer_calls) == (by_layer.distinct_experts, by_layer.layer_calls)
+    whole.add_step((1, 2, 4), steps[0])  # not read before the next step's other layers, nor step_counts
+    whole.add_step((5, 6), steps[1][:2])
+    assert whole.step_counts((4, 1, 6)).tolist() == [steps[0][2].tolist(), steps[0][0].tolist(), steps[1][1].tolist()]
+    whole.reset()
+    assert whole.last == {} and whole.counts == {} and whole.layer_calls == 0

@@ -314,10 +314,22 @@ class MoEStats:
     counts: dict[int, np.ndarray] = field(default_factory=dict)
     layer_calls: int = 0
     distinct_experts: int = 0  # summed over layer calls: experts that ran at least one token
-    last: dict[int, np.ndarray] = field(default_factory=dict)  # the last step's counts per layer
     fused_steps: int = 0  # steps that ran every layer in one native call (MoEDecoder's fused decode step)
     _acc: np.ndarray | None = field(default=None, repr=False)  # add_step's [L, E]; counts' rows are views of it
     _acc_layers: tuple[int, ...] = field(default=(), repr=False)
+    _last: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _last_step: tuple[tuple[int, ...], np.ndarray] | None = field(default=None, repr=False)  # add_step's, split when read
+
+    @property
+    def last(self) -> dict[int, np.ndarray]:
+        """The last step's counts per layer (split by layer when read, not at every step)."""
+        self._split_last()
+        return self._last
+
+    def _split_last(self) -> None:
+        if self._last_step is not None:
+            self._last.update(zip(*self._last_step, strict=True))
+            self._last_step = None
 
     def add(self, layer: int, counts: np.ndarray | Sequence[int]) -> None:
         """Record one step of one layer: ``counts[e]`` tokens routed to expert ``e``."""
@@ -325,7 +337,7 @@ class MoEStats:
         self._acc = None  # counts now changes layer by layer
         self.layer_calls += 1
         self.distinct_experts += int(np.count_nonzero(c))
-        self.last[layer] = c
+        self.last[layer] = c  # the property: a pending add_step is split first
         if layer in self.counts:
             self.counts[layer] = self.counts[layer] + c
         else:
@@ -336,6 +348,7 @@ class MoEStats:
         self.layer_calls += len(layers)
         self.distinct_experts += int(np.count_nonzero(counts))
         if self._acc is None or self._acc_layers != tuple(layers):
+            self._split_last()  # a pending step of other layers
             acc = np.zeros(counts.shape, np.int64)
             for i, layer in enumerate(layers):
                 if layer in self.counts:
@@ -343,7 +356,7 @@ class MoEStats:
                 self.counts[layer] = acc[i]
             self._acc, self._acc_layers = acc, tuple(layers)
         self._acc += counts
-        self.last.update(zip(layers, counts, strict=True))
+        self._last_step = self._acc_layers, counts
 
     def step_counts(self, layers: Sequence[int]) -> np.ndarray:
         """Routed tokens per expert in the last step, ``[len(layers), E]``."""
@@ -355,8 +368,8 @@ class MoEStats:
 
     def reset(self) -> None:
         self.counts.clear()
-        self.last.clear()
-        self._acc = None
+        self._last.clear()
+        self._acc = self._last_step = None
         self.layer_calls = self.distinct_experts = self.fused_steps = 0
 
 
