@@ -2182,6 +2182,33 @@ inline void in_streams(int64_t r0, int64_t r1, const Many& many, const One& one)
   for (int64_t r = r0 + kStreams * h; r < r1; ++r) one(r);
 }
 
+// Shared runs. A parallel region ends when its slowest thread does: with runs of rows handed out whole, the
+// thread that took the last one was read alone while the other waited, about half a run at each region's
+// end. A run's rows can instead be claimed in parts from a cursor of its own (an atomic count), by the
+// thread that took the run and by any thread that finds no run left, so both read until the region's end.
+// The same rows go through the same tiles either way (a row's bits do not depend on which thread reads it).
+// Part p < parts of in_streams' rows is kPartRows rows of each stream (64 KB of a 1024-wide bf16 matrix's
+// 4 streams), part `parts` the rows left over. Medium preset, batch 1, AMX Xeon, 2 threads, on a busy host
+// (scripts/decode_profile.py --phases, 150 steps, a build that timed each thread's end of each region, 3
+// alternated rounds): one thread's wait at the MoE's ends 57-74 -> 8-16 us a layer, at the dense products'
+// ends 42-48 -> 17-26 us a product; whole steps (6 alternated rounds) 24.4-32.7 -> 24.0-27.5 ms, paired
+// differences -5.2 to +0.1 ms, median -1.1. Each cursor has a line of its own: side by side in one line the
+// claims of two threads contended, and the experts took 14.1-16.0 ms a step instead of 12.1-12.7.
+constexpr int64_t kPartRows = 8;
+inline int64_t stream_parts(int64_t r0, int64_t r1) { return ((r1 - r0) / kStreams + kPartRows - 1) / kPartRows + 1; }
+template <typename Many, typename One>
+inline void in_streams_part(int64_t r0, int64_t r1, int64_t p, const Many& many, const One& one) {
+  const int64_t h = (r1 - r0) / kStreams, i0 = p * kPartRows;
+  if (i0 < h)
+    for (int64_t i = i0, i1 = std::min(h, i0 + kPartRows); i < i1; ++i) many(r0 + i, h);
+  else
+    for (int64_t r = r0 + kStreams * h; r < r1; ++r) one(r);
+}
+struct alignas(64) Cursor {  // a line of its own: threads claiming from runs side by side do not share it
+  std::atomic<int64_t> next{0};
+};
+inline int64_t claim(Cursor* c) { return c->next.fetch_add(1, std::memory_order_relaxed); }
+
 // ---- q8 mode: integer dot products per block of 32, scaled per block and accumulated in fp32.
 #if MT_ISA >= MT_AVX2
 struct V256 {  // one q8 block per integer vector
@@ -2616,9 +2643,11 @@ inline void row_block(const Mat& m, int64_t r, int64_t step, const Act* x, int64
 // sink(row, token, dot(row of m, token)) for rows [r0, r1) and n_tok tokens; tokens in blocks of 64
 // so that a block's activations stay in cache while the rows stream past. Up to far_tiles register tiles of
 // tokens the rows are read as far-apart streams (below).
+// With a cursor the call reads the parts it claims from it (shared runs, above), as every other thread that
+// calls it with the same cursor; rows not read as far streams are one part, read whole by its claimer.
 template <Kind KD, typename Sink>
 void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64_t n_tok, int64_t K, int64_t G,
-                       Sink& sink, int far_tiles = 1) {
+                       Sink& sink, int far_tiles = 1, Cursor* cursor = nullptr) {
   // One tile of tokens (one token too): its 4 rows far apart, as 4 streams (in_streams). bf16dp read one token's
   // rows as one stream until 2026-12-04: 4 streams took a 32000 x 1024 product at one token from 23.2-23.4 to
   // 26.3 GB/s (2-core Xeon with AMX, 2 runs) and a batch-1 decode from 47.3 / 45.3 / 44.0 to 50.6 / 48.4 /
@@ -2636,10 +2665,17 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
   // go group by group in the tiles, far rows or not.
   if (n_tok <= far_tiles * max_tokens<KD>()) {
     static_assert(kStreams == 4, "tiles of 4 rows");
-    in_streams(r0, r1, [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); },
-               [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); });
+    auto many = [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); };
+    auto one = [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); };
+    if (cursor == nullptr) {
+      in_streams(r0, r1, many, one);
+    } else {
+      const int64_t parts = stream_parts(r0, r1);
+      for (int64_t p = claim(cursor); p < parts; p = claim(cursor)) in_streams_part(r0, r1, p, many, one);
+    }
     return;
   }
+  if (cursor != nullptr && claim(cursor) != 0) return;
   for (int64_t t0 = 0; t0 < n_tok; t0 += kTokBlock) {
     const int64_t t1 = std::min(n_tok, t0 + kTokBlock);
     int64_t r = r0;
@@ -2658,13 +2694,36 @@ inline void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   for (int64_t c = 0; c < (n + chunk - 1) / chunk; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
 }
 
+// parallel_chunks with shared runs: f(r0, r1, cursor) for each chunk, each chunk's cursor shared by the thread
+// that took it and, once every chunk is taken, by the others, which join the chunks still being read (the
+// last n_threads taken: one a thread at most).
+template <typename F>
+inline void parallel_shared_chunks(int64_t n, int64_t chunk, const F& f) {
+  const int nt = at::get_num_threads();
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  std::unique_ptr<Cursor[]> cursors(new Cursor[n_chunks]());
+  Cursor next;
+#pragma omp parallel num_threads(nt) if (nt > 1 && n > chunk)
+  {
+    for (int64_t c = claim(&next); c < n_chunks; c = claim(&next)) f(c * chunk, std::min(n, (c + 1) * chunk), &cursors[c]);
+    for (int64_t c = n_chunks - 1; c >= std::max<int64_t>(0, n_chunks - omp_get_num_threads()); --c)
+      f(c * chunk, std::min(n, (c + 1) * chunk), &cursors[c]);
+  }
+}
+
 template <Kind KD>
 void linear_kind(const Mat& m, int64_t N, int64_t K, int64_t G, const Act* x, int64_t T, const float* bias, float* y) {
   auto sink = [&](int64_t r, int64_t t, float v) { y[t * N + r] = v + (bias ? bias[r] : 0.f); };
   // One token: long runs for the streams (a 32000 x 1024 bf16 lm head, chunks of up to 256 -> 1024 rows,
-  // 3 interleaved rounds: 26.0-26.7 -> 28.2-34.1 GB/s); the dynamic schedule balances the rest.
-  const int64_t chunk = T == 1 ? std::clamp<int64_t>(N / (4 * at::get_num_threads()), 64, 1024) : 64;
-  parallel_chunks(N, chunk, [&](int64_t r0, int64_t r1) { rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink); });
+  // 3 interleaved rounds: 26.0-26.7 -> 28.2-34.1 GB/s), shared at the end; the dynamic schedule balances the rest.
+  if (T == 1) {
+    const int64_t chunk = std::clamp<int64_t>(N / (4 * at::get_num_threads()), 64, 1024);
+    parallel_shared_chunks(N, chunk, [&](int64_t r0, int64_t r1, Cursor* c) {
+      rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink, 1, c);
+    });
+    return;
+  }
+  parallel_chunks(N, 64, [&](int64_t r0, int64_t r1) { rows_times_tokens<KD>(m, r0, r1, x, T, K, G, sink); });
 }
 
 // The routed experts of T tokens (routes grouped by expert):
@@ -2719,10 +2778,23 @@ void moe_kind(const MoeJob& j, float* op) {
     for (int64_t e = 0; e < E; ++e) left[e].store(0, std::memory_order_relaxed);
     for (const ExpertRows& item : items) left[item.e].fetch_add(1, std::memory_order_relaxed);
     const Scratch<float> y(kSlotOutputs, P * H);  // each slot's down product, unweighted
-    std::atomic<int64_t> next{0};
+    // The down items' rows are shared runs: a thread with no item left joins the ones still being read.
+    std::unique_ptr<Cursor[]> parts(new Cursor[n_down]());
+    auto down_item = [&](int64_t d) {
+      const ExpertRows& item = down[d];
+      while (left[item.e].load(std::memory_order_acquire) != -1) spin_pause();
+      const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
+      auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
+      rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink, 2, &parts[d]);
+    };
+    Cursor next;
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_items + n_down > 1)
-    for (int64_t it = next.fetch_add(1); it < n_items + n_down; it = next.fetch_add(1)) {
-      if (it < n_items) {
+    {
+      for (int64_t it = claim(&next); it < n_items + n_down; it = claim(&next)) {
+        if (it >= n_items) {
+          down_item(it - n_items);
+          continue;
+        }
         const ExpertRows& item = items[it];
         gate_up(item);
         if (left[item.e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -2730,13 +2802,8 @@ void moe_kind(const MoeJob& j, float* op) {
           prepare_rows(act.data(), p0, R.offset[item.e + 1], inter, KD, G, as);
           left[item.e].store(-1, std::memory_order_release);  // -1: the expert's activations are ready
         }
-        continue;
       }
-      const ExpertRows& item = down[it - n_items];
-      while (left[item.e].load(std::memory_order_acquire) != -1) spin_pause();
-      const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0;
-      auto sink = [&](int64_t r, int64_t t, float v) { y[(p0 + t) * H + r] = v; };
-      rows_times_tokens<KD>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, G, sink, 2);
+      for (int64_t d = n_down - 1; d >= std::max<int64_t>(0, n_down - omp_get_num_threads()); --d) down_item(d);
     }
     sum_slots(R, y.data(), H, op);
     return;

@@ -266,6 +266,34 @@ def test_stream_read_sums_every_value_once(n):
         _ops().stream_read(torch.ones(8, 8)[:, 0])
 
 
+@pytest.mark.parametrize("n_rows", [1, 5, 31, 33, 64, 129, 257, 1031, 4099])
+def test_one_token_products_read_in_shared_parts_give_every_row_once_and_the_same_bits(n_rows):
+    # A one-token product's runs of rows (and the MoE's down rows) are read in parts any thread may claim:
+    # rows at the parts' and runs' edges are each computed, on 1-3 threads, with the bits of one thread.
+    g = torch.Generator().manual_seed(n_rows)
+    w, x = torch.randn(n_rows, 96, generator=g).bfloat16(), torch.randn(1, 96, generator=g)
+    n_exp, hidden, inter = 6, n_rows + 40, 64  # the MoE's down rows: hidden (f32 mode: any size)
+    h = torch.randn(1, hidden, generator=g)
+    w13 = (torch.randn(n_exp, 2 * inter, hidden, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(n_exp, hidden, inter, generator=g) / 8).bfloat16()
+    ids, gates = torch.tensor([[4, 0, 2]]), torch.rand(1, 3, generator=g)
+    paths = ["", *(f"{v}:bf16dp" for v in ("avx512_bf16",) if v in _runnable())]
+    before, outs = torch.get_num_threads(), {}
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            for p in paths:
+                outs[nt, p] = (_ops().linear_q(x, w, None, 0, 0, p, None), _ops().moe(h, w13, w2, ids, gates, ""))
+    finally:
+        torch.set_num_threads(before)
+    moe_ref, _ = _moe_reference(h, w13, w2, ids, gates)
+    for (nt, p), (y, m) in outs.items():
+        xp = x.bfloat16() if p.endswith("bf16dp") else x  # bf16dp rounds the activations to bf16
+        torch.testing.assert_close(y, (xp.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m, moe_ref, rtol=1e-4, atol=1e-4)  # sums of up to 4139 products
+        assert torch.equal(y, outs[1, p][0]) and torch.equal(m, outs[1, p][1]), (nt, p)
+
+
 def test_bad_inputs_are_refused_with_the_reason():
     x = torch.randn(2, 16)
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
