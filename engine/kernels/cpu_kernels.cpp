@@ -2173,31 +2173,27 @@ inline void dots_f32(const typename WT::elem* const* w, const Act* x, int64_t K,
 // 5 interleaved processes, L1 -> L2: f32 mode 15.6 / 14.3 / 12.3 -> 26.3 / 23.6 / 17.6, bf16dp 14.6 /
 // 14.9 / 13.5 -> 19.7 / 19.1 / 18.0. One stream needed 4 KB ahead; several streams take a row ahead.
 
-// Rows [r0, r1) of a product as kStreams streams: many(r, h) computes rows r, r + h, ...,
-// r + (kStreams - 1) h; one(r) the rows left over.
-template <typename Many, typename One>
-inline void in_streams(int64_t r0, int64_t r1, const Many& many, const One& one) {
-  const int64_t h = (r1 - r0) / kStreams;
-  for (int64_t i = 0; i < h; ++i) many(r0 + i, h);
-  for (int64_t r = r0 + kStreams * h; r < r1; ++r) one(r);
-}
-
 // Shared runs. A parallel region ends when its slowest thread does: with runs of rows handed out whole, the
 // thread that took the last one was read alone while the other waited, about half a run at each region's
 // end. A run's rows can instead be claimed in parts from a cursor of its own (an atomic count), by the
 // thread that took the run and by any thread that finds no run left, so both read until the region's end.
 // The same rows go through the same tiles either way (a row's bits do not depend on which thread reads it).
-// Part p < parts of in_streams' rows is kPartRows rows of each stream (64 KB of a 1024-wide bf16 matrix's
-// 4 streams), part `parts` the rows left over. Medium preset, batch 1, AMX Xeon, 2 threads, on a busy host
-// (scripts/decode_profile.py --phases, 150 steps, a build that timed each thread's end of each region, 3
-// alternated rounds): one thread's wait at the MoE's ends 57-74 -> 8-16 us a layer, at the dense products'
-// ends 42-48 -> 17-26 us a product; whole steps (6 alternated rounds) 24.4-32.7 -> 24.0-27.5 ms, paired
-// differences -5.2 to +0.1 ms, median -1.1. Each cursor has a line of its own: side by side in one line the
-// claims of two threads contended, and the experts took 14.1-16.0 ms a step instead of 12.1-12.7.
+//
+// Rows [r0, r1) of a product as kStreams streams, in stream_parts(r0, r1) parts (in_streams): each part but
+// the last computes, for i in [p kPartRows, (p + 1) kPartRows), many(r0 + i, h), the rows r0 + i, r0 + i +
+// h, ..., r0 + i + (kStreams - 1) h with h = (r1 - r0) / kStreams (64 KB of a 1024-wide bf16 matrix's 4
+// streams); the last part one(r) for each row left over. Read whole, the parts go in order.
+//
+// Medium preset, batch 1, AMX Xeon, 2 threads, on a busy host (scripts/decode_profile.py --phases, 150
+// steps, a build that timed each thread's end of each region, 3 alternated rounds): one thread's wait at the
+// MoE's ends 57-74 -> 8-16 us a layer, at the dense products' ends 42-48 -> 17-26 us a product; whole steps
+// (6 alternated rounds) 24.4-32.7 -> 24.0-27.5 ms, paired differences -5.2 to +0.1 ms, median -1.1. Each
+// cursor has a line of its own: side by side in one line the claims of two threads contended, and the
+// experts took 14.1-16.0 ms a step instead of 12.1-12.7.
 constexpr int64_t kPartRows = 8;
 inline int64_t stream_parts(int64_t r0, int64_t r1) { return ((r1 - r0) / kStreams + kPartRows - 1) / kPartRows + 1; }
 template <typename Many, typename One>
-inline void in_streams_part(int64_t r0, int64_t r1, int64_t p, const Many& many, const One& one) {
+inline void in_streams(int64_t r0, int64_t r1, int64_t p, const Many& many, const One& one) {
   const int64_t h = (r1 - r0) / kStreams, i0 = p * kPartRows;
   if (i0 < h)
     for (int64_t i = i0, i1 = std::min(h, i0 + kPartRows); i < i1; ++i) many(r0 + i, h);
@@ -2667,12 +2663,11 @@ void rows_times_tokens(const Mat& m, int64_t r0, int64_t r1, const Act* x, int64
     static_assert(kStreams == 4, "tiles of 4 rows");
     auto many = [&](int64_t r, int64_t h) { row_block<KD, 4>(m, r, h, x, 0, n_tok, K, G, sink); };
     auto one = [&](int64_t r) { row_block<KD, 1>(m, r, 1, x, 0, n_tok, K, G, sink); };
-    if (cursor == nullptr) {
-      in_streams(r0, r1, many, one);
-    } else {
-      const int64_t parts = stream_parts(r0, r1);
-      for (int64_t p = claim(cursor); p < parts; p = claim(cursor)) in_streams_part(r0, r1, p, many, one);
-    }
+    const int64_t parts = stream_parts(r0, r1);
+    if (cursor == nullptr)
+      for (int64_t p = 0; p < parts; ++p) in_streams(r0, r1, p, many, one);
+    else
+      for (int64_t p = claim(cursor); p < parts; p = claim(cursor)) in_streams(r0, r1, p, many, one);
     return;
   }
   if (cursor != nullptr && claim(cursor) != 0) return;

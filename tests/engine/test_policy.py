@@ -691,9 +691,8 @@ def test_moe_stats_per_step_and_per_layer_records_agree():
 
     rng = np.random.default_rng(3)
     steps = [rng.integers(0, 3, (3, 5)) for _ in range(4)]
-    whole, by_layer = MoEStats(), MoEStats()
+    whole, by_layer, layers = MoEStats(), MoEStats(), (1, 2, 4)
     for i, c in enumerate(steps):
-        layers = (1, 2, 4)
         whole.add_step(layers, c)
         for li, layer in enumerate(layers):
             by_layer.add(layer, c[li])
