@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from engine.model.decoder import INT8_DENSE
+
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -113,6 +115,39 @@ def model_bytes(engine) -> dict[str, float]:
     kv = engine.spec.kv_bytes_per_token(engine.cache.dtype.itemsize)
     return {"dense_bytes": float(dense), "expert_bytes": float(expert), "expert_precision": precision,
             "kv_bytes_per_token": float(kv)}
+
+
+def phase_bytes(engine, experts_a_step: float, cached_a_step: float) -> dict[str, float]:
+    """What a decode step reads in each phase of the fused step (the names of DecodeStack.phase_seconds),
+    counted as :func:`step_cost` counts them: ``experts_a_step`` distinct experts a step over all MoE layers,
+    ``cached_a_step`` cached positions its attention reads over all its sequences; "outside" is the final
+    norm and the lm head. The values add up to the step's bytes (scripts/decode_profile.py --phases sets
+    each phase's time beside them)."""
+    m = engine.model
+    out: dict[str, float] = dict.fromkeys(("norms", "qkv", "rope", "attention", "wo", "router", "experts",
+                                           "shared", "mlp", "outside"), 0.0)
+
+    def dense(lw, *names: str) -> int:
+        total = 0
+        for name in names:
+            q = m._q8(lw, name) if name in INT8_DENSE else None
+            total += sum(_nbytes(x) for x in q) if q else _nbytes(getattr(lw, name))
+        return total
+
+    for lw in m.layers:
+        out["norms"] += dense(lw, "ln1", "ln2")
+        out["qkv"] += dense(lw, "wqkv", "bqkv")
+        out["rope"] += dense(lw, "q_norm", "k_norm")
+        out["wo"] += dense(lw, "wo", "bo")
+        out["router"] += dense(lw, "router")
+        out["shared"] += dense(lw, "shared_w13", "shared_w2", "shared_gate")
+        out["mlp"] += dense(lw, "mlp_w13", "mlp_w2")
+    mb = model_bytes(engine)
+    out["experts"] = experts_a_step * mb["expert_bytes"]
+    out["attention"] = cached_a_step * mb["kv_bytes_per_token"]
+    head = m.lm_head_int8 if m.dense_precision == "int8" else (m.lm_head,)
+    out["outside"] = float(_nbytes(m.final_norm) + sum(_nbytes(x) for x in head))
+    return out
 
 
 def _path(engine, precision: str, tokens: float) -> str:

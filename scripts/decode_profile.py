@@ -9,7 +9,9 @@ prompts of ``--prompt-len`` random tokens, then profiles ``--steps`` decode step
 the decode rate, the kernel paths the engine used and the table of ops by self CPU time; ``--python``
 profiles with cProfile instead (Python functions by own time: where the glue between the ops goes).
 Decode steps the engine runs fused (every layer in one native call: MoEDecoder._decode_stack) show as one
-op; ``--per-op`` runs them op by op, as before the fused step, to see each op. On CUDA (``device=cuda``)
+op; ``--per-op`` runs them op by op, as before the fused step, to see each op; ``--phases`` times more
+fused steps by phase, each phase beside the bytes it reads (engine.roofline.phase_bytes), their GB/s and
+their fraction of the read bandwidth measured right after: which phase holds a step off its roofline. On CUDA (``device=cuda``)
 the profile holds the GPU's kernels too, and one more step runs under PyTorch's sync debug mode: it
 prints the implicit host-device synchronisations of a step by call site, and the GPU's busy time
 against the step's wall time (a step whose GPU idles waits on its host: launches and syncs).
@@ -27,7 +29,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import kernels
+from engine import calibrate, kernels, roofline
 from engine.bench import bench_batch
 from engine.config import ConfigError, EngineConfig
 from engine.runtime import Engine
@@ -44,7 +46,8 @@ def main() -> None:
     ap.add_argument("--python", action="store_true", help="cProfile (Python functions) instead of torch.profiler")
     ap.add_argument("--per-op", action="store_true", help="decode steps op by op, not fused (see each op)")
     ap.add_argument("--phases", action="store_true",
-                    help="also time --steps more fused steps by phase (the fused step's own clocks)")
+                    help="also time --steps more fused steps by phase (the fused step's own clocks), each phase with "
+                         "the bytes it reads and their rate against the read bandwidth measured after")
     ap.add_argument("knobs", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,27 +99,50 @@ def main() -> None:
 
 def print_phases(engine: Engine, batch: int, steps: int) -> None:
     """``steps`` more decode steps, unprofiled, timed by the fused step's phases (DecodeStack.set_timing):
-    ms a step per phase, and what the step spends outside the fused call (lm head, sampling, Python)."""
+    ms a step per phase and what the step spends outside the fused call (lm head, sampling, Python), each
+    with the bytes it reads (engine.roofline.phase_bytes) and their rate against the read bandwidth measured right after
+    (engine.calibrate: what the rooflines divide by), so that each phase's distance from its bound shows."""
     stack = engine.model._stack[1] if engine.model._stack is not None else None
     if stack is None:
         print("phases: no fused step ran (per-op path); see the profile above")
         return
+    stats = engine.model.stats
+    windowed = engine.spec.sliding_window or float("inf")
+
+    def cached() -> float:  # positions the next step's attention reads (its own row included)
+        return sum(min(s.cached_len + 1, windowed) for s in engine.running if s.decoding)
+
     stack.set_timing(True)
-    n, t = 0, time.perf_counter()
+    experts0, context, n, total_s = stats.distinct_experts, 0, 0, 0.0
     while engine.has_work and n < steps:
+        context += cached()  # counted between the timed steps
+        t = time.perf_counter()
         engine.step()
+        total_s += time.perf_counter() - t
         n += 1
-    step_s = (time.perf_counter() - t) / max(1, n)
+    step_s = total_s / max(1, n)
     names, seconds, timed = stack.phase_seconds()
     stack.set_timing(False)
+    read_gbps = calibrate.memory_bandwidth_gbps(fresh=True)
+    nbytes = roofline.phase_bytes(engine, (stats.distinct_experts - experts0) / max(1, n), context / max(1, n))
     fused_ms = sum(seconds) * 1e3 / max(1, timed)
     print(f"phases of {timed} fused steps at batch {batch}: {step_s * 1e3:.2f} ms a step "
-          f"({batch / step_s:.1f} tok/s), {fused_ms:.2f} in the fused call")
+          f"({batch / step_s:.1f} tok/s), {fused_ms:.2f} in the fused call; read bandwidth {read_gbps:.1f} GB/s "
+          f"(measured after)")
+
+    def line(name: str, ms: float, note: str = "") -> None:
+        mb = nbytes.get(name, 0.0) / 1e6
+        rate = f"{mb / ms:7.1f} GB/s  {mb / ms / read_gbps:4.2f} of it" if ms > 0 and mb >= 0.5 else ""
+        print(f"  {name:12s} {ms:8.3f} ms {mb:8.1f} MB {rate}{note}")
+
     for name, sec in sorted(zip(names, seconds, strict=True), key=lambda p: -p[1]):
         if sec > 0:
-            print(f"  {name:12s} {sec * 1e3 / max(1, timed):8.3f} ms")
+            line(name, sec * 1e3 / max(1, timed))
     if timed == n:  # every step fused: the rest of a step is outside the call
-        print(f"  {'outside':12s} {step_s * 1e3 - fused_ms:8.3f} ms  (lm head, sampling, Python)")
+        line("outside", step_s * 1e3 - fused_ms, "  (lm head, sampling, Python)")
+        total_mb = sum(nbytes.values()) / 1e6
+        print(f"  {'step':12s} {step_s * 1e3:8.3f} ms {total_mb:8.1f} MB {total_mb / step_s / 1e3:7.1f} GB/s  "
+              f"{total_mb / step_s / 1e3 / read_gbps:4.2f} of it (the bandwidth roofline's fraction)")
     else:
         print(f"  ({n - timed} of the {n} steps ran op by op: no time outside the call to show)")
 

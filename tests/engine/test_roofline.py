@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.maker import make_model
-from engine.roofline import Limits, StepCost, machine_limits, roofline, step_cost, tier_shares
+from engine.roofline import Limits, StepCost, machine_limits, phase_bytes, roofline, step_cost, tier_shares
 from engine.runtime import Engine
 
 GPU = Limits("cuda", read_gbps=3000.0, host_read_gbps=100.0, link_gbps=25.0,
@@ -85,6 +85,29 @@ def test_step_cost_splits_the_host_experts_bytes_and_flop(model_dir):
     calls = len(engine.spec.moe_layers) * 3.0
     assert split.link_bytes == pytest.approx(1000.0 * calls)
     assert split.compute_precision == "fp32"
+
+
+@pytest.mark.parametrize("arch,overrides,knobs", [
+    ("qwen3_moe", {}, {}),  # q/k norms
+    ("qwen2_moe", {"mlp_only_layers": [0]}, {"dense_precision": "int8"}),  # shared experts, a dense MLP; int8 copies
+    ("mixtral", {}, {"hi_precision": "int8", "kv_dtype": "bfloat16"}),
+])
+def test_a_steps_phases_read_the_bytes_its_roofline_counts(tmp_path, arch, overrides, knobs):
+    """phase_bytes splits a decode step's bytes by the fused step's phases (what decode_profile.py --phases
+    sets beside their times): they add up to step_cost's bytes for the same experts and positions, each
+    family's own matrices in their phase, in the precision they run in."""
+    make_model(tmp_path, arch, "tiny", seed=5, config_overrides=overrides)
+    engine = Engine(str(tmp_path), EngineConfig().replace(device="cpu", compute_dtype="float32", **knobs))
+    n_moe, tokens, context = len(engine.spec.moe_layers), 3, 40.0
+    phases = phase_bytes(engine, 2.5 * n_moe, tokens * context)
+    assert sum(phases.values()) == pytest.approx(step_cost(engine, tokens, 2.5, context).bytes)
+    m = engine.model
+    qkv = [m._q8(lw, "wqkv") or (lw.wqkv,) for lw in m.layers]
+    assert phases["qkv"] == sum(t.numel() * t.element_size() for ts in qkv for t in ts) + sum(
+        lw.bqkv.numel() * lw.bqkv.element_size() for lw in m.layers if lw.bqkv is not None)
+    assert (phases["shared"] > 0, phases["mlp"] > 0) == ((True, True) if arch == "qwen2_moe" else (False, False))
+    assert (phases["rope"] > 0) == (arch == "qwen3_moe")
+    assert phases["attention"] == tokens * context * engine.spec.kv_bytes_per_token(engine.cache.dtype.itemsize)
 
 
 def test_machine_limits_on_the_cpu_are_the_hosts():
