@@ -255,11 +255,13 @@ def test_moe_list_takes_missing_experts_and_refuses_routes_to_them():
         _ops().moe_list(h, some, some2, torch.tensor([[1, 0], [2, 0]]), gates)
 
 
-@pytest.mark.parametrize("n", [1, 255, 256 * 64 + 3, 1_000_003])
-def test_stream_read_sums_every_value_once(n):
-    # the rooflines' bandwidth read: each thread's share as 4 streams, and what is left over
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("n", [1, 255, 256 * 64 + 3, 1_000_003, 3 * (512 << 10), 5 * (512 << 10) + 4097])
+def test_stream_read_sums_every_value_once(n, ahead):
+    # the rooflines' bandwidth read, both ways: each thread's half as 4 streams, or runs of 2 MiB (512 Ki
+    # floats) in turn as 4 streams each; and what is left over (of the half, of a run)
     buf = torch.arange(n, dtype=torch.float32) % 7
-    assert _ops().stream_read(buf) == pytest.approx(float(buf.double().sum()), rel=1e-6)
+    assert _ops().stream_read(buf, ahead) == pytest.approx(float(buf.double().sum()), rel=1e-6)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         _ops().stream_read(buf.double())
     with pytest.raises(RuntimeError, match="contiguous fp32"):
