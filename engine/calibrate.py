@@ -133,7 +133,10 @@ def bandwidth_buffer_bytes() -> int:
     """The buffer memory_bandwidth_gbps reads: 512 MiB, or four times the largest cache where that is larger
     (a 480 MiB last-level cache held part of a 512 MiB buffer: 37.0 against 36.2 GB/s for 2 GiB, AMX Xeon,
     2026-12-06), at most an eighth of the memory."""
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or not these names: no cap
+        memory = 0
     want = max(512 << 20, 4 * largest_cache_bytes())
     return want if memory <= 0 else max(64 << 20, min(want, memory // 8))
 

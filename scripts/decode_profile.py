@@ -11,10 +11,10 @@ profiles with cProfile instead (Python functions by own time: where the glue bet
 Decode steps the engine runs fused (every layer in one native call: MoEDecoder._decode_stack) show as one
 op; ``--per-op`` runs them op by op, as before the fused step, to see each op; ``--phases`` times more
 fused steps by phase, each phase beside the bytes it reads (engine.roofline.phase_bytes), their GB/s and
-their fraction of the read bandwidth measured right after: which phase holds a step off its roofline. On CUDA (``device=cuda``)
-the profile holds the GPU's kernels too, and one more step runs under PyTorch's sync debug mode: it
-prints the implicit host-device synchronisations of a step by call site, and the GPU's busy time
-against the step's wall time (a step whose GPU idles waits on its host: launches and syncs).
+their fraction of the read bandwidth measured right after: which phase holds a step off its roofline.
+On CUDA (``device=cuda``) the profile holds the GPU's kernels too, and one more step runs under PyTorch's
+sync debug mode: it prints the implicit host-device synchronisations of a step by call site, and the GPU's
+busy time against the step's wall time (a step whose GPU idles waits on its host: launches and syncs).
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def main() -> None:
 def print_phases(engine: Engine, batch: int, steps: int) -> None:
     """``steps`` more decode steps, unprofiled, timed by the fused step's phases (DecodeStack.set_timing):
     ms a step per phase and what the step spends outside the fused call (lm head, sampling, Python), each
-    with the bytes it reads (engine.roofline.phase_bytes) and their rate against the read bandwidth measured right after
-    (engine.calibrate: what the rooflines divide by), so that each phase's distance from its bound shows."""
+    with the bytes it reads (engine.roofline.phase_bytes) and their rate against the read bandwidth measured
+    right after (engine.calibrate: what the rooflines divide by), so that each phase's distance from its
+    bound shows."""
     stack = engine.model._stack[1] if engine.model._stack is not None else None
     if stack is None:
         print("phases: no fused step ran (per-op path); see the profile above")
