@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from engine.model.decoder import INT8_DENSE
-
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -128,11 +126,7 @@ def phase_bytes(engine, experts_a_step: float, cached_a_step: float) -> dict[str
                                            "shared", "mlp", "outside"), 0.0)
 
     def dense(lw, *names: str) -> int:
-        total = 0
-        for name in names:
-            q = m._q8(lw, name) if name in INT8_DENSE else None
-            total += sum(_nbytes(x) for x in q) if q else _nbytes(getattr(lw, name))
-        return total
+        return sum(m.run_bytes(lw, name) for name in names)
 
     for lw in m.layers:
         out["norms"] += dense(lw, "ln1", "ln2")
@@ -145,8 +139,7 @@ def phase_bytes(engine, experts_a_step: float, cached_a_step: float) -> dict[str
     mb = model_bytes(engine)
     out["experts"] = experts_a_step * mb["expert_bytes"]
     out["attention"] = cached_a_step * mb["kv_bytes_per_token"]
-    head = m.lm_head_int8 if m.dense_precision == "int8" else (m.lm_head,)
-    out["outside"] = float(_nbytes(m.final_norm) + sum(_nbytes(x) for x in head))
+    out["outside"] = float(m.head_bytes())
     return out
 
 

@@ -381,18 +381,23 @@ class MoEDecoder:
         """The int8 copy of ``lw``'s dense matrix ``name`` while the dense matrices run in int8, else None."""
         return lw.int8.get(name) if self.dense_precision == "int8" and lw.int8 else None
 
+    def run_bytes(self, lw: LayerWeights, name: str) -> int:
+        """Bytes a step reads of ``lw``'s tensor ``name`` in the precision it runs in (its int8 copy and
+        scales while the dense matrices run in int8); 0 where the layer has none."""
+        q = self._q8(lw, name) if name in INT8_DENSE else None
+        return sum(x.numel() * x.element_size() for x in q or (getattr(lw, name),) if x is not None)
+
+    def head_bytes(self) -> int:
+        """Bytes a step reads of the final norm and the lm head, in the precision the head runs in."""
+        head = self.lm_head_int8 if self.dense_precision == "int8" else (self.lm_head,)
+        return sum(x.numel() * x.element_size() for x in (self.final_norm, *head))
+
     def dense_bytes(self) -> int:
         """Bytes of the non-expert weights one step reads, in the precision they run in: attention, norms,
         routers, dense and shared MLPs, the final norm and the lm head (not the embedding rows)."""
-        total = 0
-        for lw in self.layers:
-            for k, t in vars(lw).items():
-                if not isinstance(t, torch.Tensor) or k in ("w13", "w2"):
-                    continue
-                q = self._q8(lw, k) if k in INT8_DENSE else None
-                total += sum(x.numel() * x.element_size() for x in q) if q else t.numel() * t.element_size()
-        head = self.lm_head_int8 if self.dense_precision == "int8" else (self.lm_head,)
-        return total + sum(x.numel() * x.element_size() for x in (self.final_norm, *head))
+        total = sum(self.run_bytes(lw, k) for lw in self.layers for k, t in vars(lw).items()
+                    if isinstance(t, torch.Tensor) and k not in ("w13", "w2"))
+        return total + self.head_bytes()
 
     def weight_bytes(self) -> int:
         ts = [self.embed, self.final_norm] + ([] if self.spec.tie_word_embeddings else [self.lm_head])
