@@ -89,6 +89,23 @@ class LayerWeights:
 INT8_DENSE = ("wqkv", "wo", "mlp_w13", "mlp_w2", "shared_w13", "shared_w2")
 
 
+def owned(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``t`` (``source`` as loaded: device and dtype) in memory of its own where it still shares the
+    checkpoint's memory mapping: a CPU tensor the conversion did not copy.
+
+    A mapped file sits in 4 KiB pages of the page cache; PyTorch's own allocations of 2 MiB and more take
+    transparent huge pages (engine.env.apply_huge_pages), as the matrices concatenated or stacked at load
+    (wqkv, the experts) already did, so every matrix a step reads whole streams through 2 MiB pages. The
+    lm head and each wo had been read from the mapping until 2026-12-06 (/proc/PID/smaps: no AnonHugePages
+    there). The lm head in a batch-1 decode step of the medium preset, AMX Xeon, medians of 150 steps, ms,
+    alternated pairs mapped -> own: the lm head alone copied 1.98 / 1.80 / 1.96 -> 1.73 / 1.59 / 1.86; this
+    function 2.17 / 1.98 / 2.10 / 2.08 -> 1.97 / 2.09 / 2.00 / 1.99, or as a share of the same step's fused
+    call (which the shared host's drift moves alike) 0.157-0.165 -> 0.151-0.153: about 0.1 ms a token."""
+    if t.device.type == "cpu" and t.data_ptr() == source.data_ptr():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
     xf = x.float()
@@ -265,13 +282,16 @@ class MoEDecoder:
         self.rope = RoPE(spec.head_dim, spec.rope_theta, device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
-        def load(names: list[str], matrix_dtype: torch.dtype = self.weight_dtype) -> list[torch.Tensor]:
+        def load(names: list[str], matrix_dtype: torch.dtype = self.weight_dtype, own: bool = True) -> list[torch.Tensor]:
             """Matrices in ``matrix_dtype`` (the weight dtype unless told), vectors (norms, biases) in the
-            compute dtype."""
+            compute dtype; with ``own``, in memory of their own (:func:`owned`), not the checkpoint's mapping."""
             got = dict(ckpt.tensors(names))
-            return [got[n].to(device=device, dtype=matrix_dtype if got[n].dim() == 2 else dtype) for n in names]
+            out = [got[n].to(device=device, dtype=matrix_dtype if got[n].dim() == 2 else dtype) for n in names]
+            return [owned(t, got[n]) if own else t for t, n in zip(out, names, strict=True)]
 
-        (self.embed,) = load(["model.embed_tokens.weight"])
+        # The embedding's rows are read a token at a time: it stays in the checkpoint's mapping (only the rows
+        # read are paged in) unless it is the lm head too, which every step reads whole.
+        (self.embed,) = load(["model.embed_tokens.weight"], own=spec.tie_word_embeddings)
         (self.final_norm,) = load(["model.norm.weight"])
         self.lm_head = self.embed if spec.tie_word_embeddings else load(["lm_head.weight"])[0]
         self.layers: list[LayerWeights] = []

@@ -4,13 +4,15 @@ table are the rows computed per step, bit for bit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.model.checkpoint import Checkpoint
-from engine.model.decoder import KVCache, RoPE
+from engine.model.decoder import KVCache, MoEDecoder, RoPE
 from engine.model.maker import make_model
 from engine.runtime import Engine
 
@@ -91,3 +93,33 @@ def test_rope_rows_from_the_table_are_the_rows_computed_per_step(head_dim):
             assert got[0].dtype == dtype and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         assert rope._tables[dtype][0].shape[0] == RoPE.TABLE_POSITIONS
     assert rope.cos_sin(torch.empty(0, dtype=torch.long), torch.float32)[0].shape == (0, head_dim)
+
+
+def _mapping_of(t: torch.Tensor) -> str:
+    """The file of the mapping that holds ``t``'s first byte ('' for anonymous memory), from /proc/self/maps."""
+    address = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[5].strip() if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_weights_a_step_reads_whole_are_copied_out_of_the_checkpoints_mapping(make_ckpt, tied):
+    """bf16 weights load as stored (no conversion copies them): each matrix and vector a step reads whole is
+    still copied into memory of the engine's own (huge pages, engine.model.decoder.owned); the untied
+    embedding, read a row at a time, stays in the mapping, and a tied one is the lm head."""
+    path = make_ckpt("qwen3_moe", "bfloat16", tie_word_embeddings=tied)
+    dec = MoEDecoder(Checkpoint(path), torch.float32, torch.device("cpu"), weight_dtype=torch.bfloat16)
+    files = {str(f.resolve()) for f in path.glob("*.safetensors")}
+    assert str(Path(_mapping_of(Checkpoint(path).get("model.embed_tokens.weight")))) in files  # mapped as loaded
+    reads = {"lm_head": dec.lm_head, "final_norm": dec.final_norm}
+    for i, lw in enumerate(dec.layers):
+        reads.update({f"{i}.{k}": t for k, t in vars(lw).items() if isinstance(t, torch.Tensor)})
+    assert {"0.wo", "0.wqkv", "0.w13", "0.router"} <= set(reads)
+    mapped = {name for name, t in reads.items() if _mapping_of(t) in files}
+    assert not mapped, f"read from the checkpoint's mapping: {sorted(mapped)}"
+    assert (_mapping_of(dec.embed) in files) == (not tied)
+    assert (dec.lm_head is dec.embed) == tied
