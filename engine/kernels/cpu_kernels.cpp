@@ -2854,37 +2854,36 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
 }
 
 // The cache rows come from memory (a batch-32 step reads the weights' 1.5 GB between two reads of a
-// layer's cache), 4 KiB pages of a few positions each, where the prefetchers stop: the keys are fetched
-// kAttendAhead positions ahead, and each block's values while the scores are computed (AMX Xeon, batch 32,
-// 16 layers of 160 positions, fp32: 13.5 -> 11.1 ms; the same from cache 6.6).
-constexpr int64_t kAttendAhead = 32;
+// layer's cache), 4 KiB pages of a few positions each, where the prefetchers stop: each row is prefetched
+// into L2 kAttendLead bytes before it is read, the keys in the scores' pass (a block's worth at a time) and
+// the values in the outputs' pass (a row at a time), so that the prefetches go out as fast as the rows are
+// read and the reads never wait on a burst of them.
+//
+// History (AMX Xeon, medium preset, 2 threads, 16 layers, fp32 cache; the attention phase of
+// scripts/decode_profile.py --phases, ms a step):
+// - Until 2026-12-05 the prefetch loops but the first compiled to nothing (prefetch_l2): the keys 32
+//   positions ahead and each block's values during the scores, then whole items (an item's keys and values
+//   all prefetched at its start where they fit 512 KiB): batch 32 12.30 / 10.47 / 10.11 over 3 rounds
+//   (nothing / the blocks / whole items), batch 1 (2 rounds) 0.83 / 0.69 / 0.72, 0.80 / 0.70 / 0.73.
+// - The lead (2026-12-06): whole items and the values prefetched with the keys against a 4 KiB lead for
+//   each, the values in their own pass. Batch 1, about 230-330 positions, 3 alternated rounds: 0.591 / 0.564
+//   / 0.569 -> 0.492 / 0.528 / 0.487, and again 0.580 / 0.588 / 0.595 -> 0.513 / 0.537 / 0.499; batch 32,
+//   about 160-190 positions, 2 rounds: 9.53 / 9.70 -> 8.73 / 8.88. Leads of 2 KiB (0.53-0.55 ms at batch
+//   1), 8 KiB (0.52-0.55) or 6 KiB (0.51-0.57) were no better; the values 3 KiB ahead measured as 4 KiB.
+//   Keys and values split into 2 or 4 streams read in turn (the products' far streams): no faster. This
+//   code against the code before, 3 more alternated rounds at batch 1: fp32 0.603 / 0.585 / 0.587 -> 0.520
+//   / 0.513 / 0.549, a bf16 cache 0.468 / 0.503 / 0.459 -> 0.449 / 0.391 / 0.393. The AVX2 kernel (forced,
+//   decode_attention alone, 16 layers from memory, medians of 15, 3 rounds): batch 1 at 300 positions 0.71-
+//   0.80 -> 0.68-0.73 ms, batch 32 at 160 9.8-10.2 -> 9.8-10.1 (its values' pass is a head at a time).
+constexpr int64_t kAttendLead = 4 << 10;  // bytes
+// Rows of `row` bytes kAttendLead covers (at least one).
+inline int64_t lead_rows(int64_t row) { return std::max<int64_t>(1, kAttendLead / row); }
 
-// An item's first prefetches: all of its keys and values where they fit kAttendWhole (a decode's item of up
-// to 1024 positions of 64 fp32 lanes), every line in flight at once; else its first kAttendAhead keys, the
-// rest streamed block by block (prefetch_block). Medium preset, AMX Xeon, 2 threads, 16 layers of about
-// 130-190 positions, fp32 cache; the attention phase of scripts/decode_profile.py --phases (ms a step, 3
-// interleaved rounds of: as built before / with the blocks' prefetches running / and whole items):
-// batch 32 12.30 / 10.47 / 10.11, 12.14 / 10.48 / 10.57, 11.59 / 10.24 / 9.95; batch 1 (2 rounds) 0.83 /
-// 0.69 / 0.72, 0.80 / 0.70 / 0.73. The middle build's batch-32 products (qkv 2.6-3.0 -> 5.9-6.3 ms, wo
-// 2.0-2.4 -> 4.2-4.6, in all 3 rounds) slowed down for no reason found; with whole items they did not.
-constexpr int64_t kAttendWhole = 512 << 10;  // bytes of an item's keys and values; L2 holds 2 MB a core there
+// The keys' prefetch of the block of `lanes` positions from j0: the block `ahead` rows on, up to len.
 template <typename C>
-inline void prefetch_item(const C* K, const C* V, int64_t lo, int64_t n, int64_t d) {
-  const int64_t row = d * static_cast<int64_t>(sizeof(C));
-  if (2 * n * row <= kAttendWhole) {
-    prefetch_l2(K + lo * d, n * row);
-    prefetch_l2(V + lo * d, n * row);
-  } else {
-    prefetch_l2(K + lo * d, std::min(kAttendAhead, n) * row);
-  }
-}
-
-// The prefetches of a block of `lanes` positions from j0: the keys kAttendAhead positions on, the block's values.
-template <typename C>
-inline void prefetch_block(const C* K, const C* V, int64_t j0, int64_t lanes, int64_t len, int64_t d) {
-  const int64_t row = d * static_cast<int64_t>(sizeof(C));
-  if (j0 + kAttendAhead < len) prefetch_l2(K + (j0 + kAttendAhead) * d, std::min(lanes, len - j0 - kAttendAhead) * row);
-  prefetch_l2(V + j0 * d, std::min(lanes, len - j0) * row);
+inline void prefetch_keys(const C* K, int64_t j0, int64_t lanes, int64_t ahead, int64_t len, int64_t d) {
+  if (j0 + ahead < len)
+    prefetch_l2(K + (j0 + ahead) * d, std::min(lanes, len - j0 - ahead) * d * static_cast<int64_t>(sizeof(C)));
 }
 
 // The largest of x[0:n], 8 or 16 lanes at a time (std::max_element's compare chain was a fifth of an
@@ -2951,13 +2950,16 @@ inline __m512 lane_sums16(const __m512* a) {
 // o[h][0:16 NV] = inv[h] x the sum over j < n of p[h][j] V[j d + 0:16 NV] for NH heads (p: head h's
 // weights at p + h * ldp, o: head h's output at o + h * d): each row of V read once for the heads, NH x NV
 // accumulators, added in row order. The last vector's columns are those of mask `last`.
+// With `ahead`, row j + ahead of V (whole rows of d values: the first pass over the rows) is prefetched as row j is read.
 template <int NH, int NV, typename C>
 inline void weighted_rows16(const float* p, int64_t ldp, const C* V, int64_t n, int64_t d, const float* inv,
-                            float* o, __mmask16 last) {
+                            float* o, __mmask16 last, int64_t ahead) {
   __m512 acc[NH][NV];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+  const int64_t row = d * static_cast<int64_t>(sizeof(C));
   for (int64_t j = 0; j < n; ++j) {
+    if (ahead && j + ahead < n) prefetch_l2(V + (j + ahead) * d, row);
     __m512 vj[NV];
     for (int v = 0; v < NV - 1; ++v) vj[v] = cache16(V + j * d + 16 * v);
     vj[NV - 1] = last == 0xFFFF ? cache16(V + j * d + 16 * (NV - 1)) : cache16(V + j * d + 16 * (NV - 1), last);
@@ -2972,15 +2974,17 @@ inline void weighted_rows16(const float* p, int64_t ldp, const C* V, int64_t n, 
                             _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv[h])));
 }
 
-// Columns [c, c + 16 NV) of the outputs of every head (the last vector's: mask `last`), 4 heads at a time.
+// Columns [c, c + 16 NV) of the outputs of every head (the last vector's: mask `last`), 4 heads at a time;
+// the first columns' first heads prefetch the rows `ahead` on (the pass that reads them from memory).
 template <int NV, typename C>
 inline void weighted_heads16(const float* w, int64_t n, const C* V, int64_t d, int64_t c, int64_t group,
-                             const float* inv, float* og, __mmask16 last = 0xFFFF) {
+                             const float* inv, float* og, int64_t ahead, __mmask16 last = 0xFFFF) {
   constexpr int NH = 4;  // at most 16 accumulators
   int64_t h = 0;
   for (; h + NH <= group; h += NH)
-    weighted_rows16<NH, NV>(w + h * n, n, V + c, n, d, inv + h, og + h * d + c, last);
-  for (; h < group; ++h) weighted_rows16<1, NV>(w + h * n, n, V + c, n, d, inv + h, og + h * d + c, last);
+    weighted_rows16<NH, NV>(w + h * n, n, V + c, n, d, inv + h, og + h * d + c, last, c == 0 && h == 0 ? ahead : 0);
+  for (; h < group; ++h)
+    weighted_rows16<1, NV>(w + h * n, n, V + c, n, d, inv + h, og + h * d + c, last, c == 0 && h == 0 ? ahead : 0);
 }
 
 // Scores of 16 positions at a time (16 accumulators, summed together by lane_sums16), the softmax, then
@@ -2990,10 +2994,11 @@ inline void weighted_heads16(const float* w, int64_t n, const C* V, int64_t d, i
 template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
-  const int64_t n = len - lo;
-  prefetch_item(K, V, lo, n, d);
+  const int64_t n = len - lo, row = d * static_cast<int64_t>(sizeof(C)), ahead = lead_rows(row);
+  prefetch_l2(K + lo * d, std::min(ahead, n) * row);
+  prefetch_l2(V + lo * d, std::min(ahead, n) * row);
   for (int64_t j0 = lo; j0 < len; j0 += 16) {
-    prefetch_block(K, V, j0, 16, len, d);
+    prefetch_keys(K, j0, 16, ahead, len, d);
     const C* kr[16];
     for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, len - 1) * d;  // past len: repeats
     const __mmask16 live = static_cast<__mmask16>((1u << std::min<int64_t>(16, len - j0)) - 1);
@@ -3017,10 +3022,10 @@ void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t
   softmax_rows(w, group, n, inv);
   const C* Vlo = V + lo * d;
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) weighted_heads16<4>(w, n, Vlo, d, c, group, inv, og);
-  if (c + 32 <= d) weighted_heads16<2>(w, n, Vlo, d, c, group, inv, og), c += 32;
-  if (c + 16 <= d) weighted_heads16<1>(w, n, Vlo, d, c, group, inv, og), c += 16;
-  if (c < d) weighted_heads16<1>(w, n, Vlo, d, c, group, inv, og, 0xFF);
+  for (; c + 64 <= d; c += 64) weighted_heads16<4>(w, n, Vlo, d, c, group, inv, og, ahead);
+  if (c + 32 <= d) weighted_heads16<2>(w, n, Vlo, d, c, group, inv, og, ahead), c += 32;
+  if (c + 16 <= d) weighted_heads16<1>(w, n, Vlo, d, c, group, inv, og, ahead), c += 16;
+  if (c < d) weighted_heads16<1>(w, n, Vlo, d, c, group, inv, og, ahead, 0xFF);
 }
 
 #elif MT_ISA == MT_AVX2
@@ -3041,11 +3046,14 @@ inline __m256 lane_sums8(const __m256* a) {
 
 // o[0:8 NV] = sum over j < n of p[j] V[j d + 0:8 NV]: NV independent accumulators, one FMA each per row,
 // added in row order (the order the scalar loop adds in).
+// With `ahead`, row j + ahead of V (whole rows: the first pass over them) is prefetched as row j is read.
 template <int NV, typename C>
-inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, float* o) {
+inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, float* o, int64_t ahead) {
   __m256 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  const int64_t row = d * static_cast<int64_t>(sizeof(C));
   for (int64_t j = 0; j < n; ++j) {
+    if (ahead && j + ahead < n) prefetch_l2(V + (j + ahead) * d, row);
     const __m256 pj = _mm256_set1_ps(p[j]);
     const C* vj = V + j * d;
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, cache8(vj + 8 * v), acc[v]);
@@ -3061,10 +3069,11 @@ inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, floa
 template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
-  const int64_t n = len - lo;
-  prefetch_item(K, V, lo, n, d);
+  const int64_t n = len - lo, row = d * static_cast<int64_t>(sizeof(C)), ahead = lead_rows(row);
+  prefetch_l2(K + lo * d, std::min(ahead, n) * row);
+  prefetch_l2(V + lo * d, std::min(ahead, n) * row);
   for (int64_t j0 = lo; j0 < len; j0 += 8) {
-    prefetch_block(K, V, j0, 8, len, d);
+    prefetch_keys(K, j0, 8, ahead, len, d);
     const C* kr[8];
     for (int64_t jj = 0; jj < 8; ++jj) kr[jj] = K + std::min(j0 + jj, len - 1) * d;  // past len: repeats
     const int64_t nb = std::min<int64_t>(8, len - j0);
@@ -3087,10 +3096,11 @@ void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t
     const float* p = w + h * n;
     float* oh = og + h * d;
     int64_t c = 0;
-    for (; c + 64 <= d; c += 64) weighted_rows<8>(p, Vlo + c, n, d, oh + c);
-    if (c + 32 <= d) weighted_rows<4>(p, Vlo + c, n, d, oh + c), c += 32;
-    if (c + 16 <= d) weighted_rows<2>(p, Vlo + c, n, d, oh + c), c += 16;
-    if (c + 8 <= d) weighted_rows<1>(p, Vlo + c, n, d, oh + c);
+    const int64_t first = h == 0 ? ahead : 0;  // the first head's first columns read the rows from memory
+    for (; c + 64 <= d; c += 64) weighted_rows<8>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0);
+    if (c + 32 <= d) weighted_rows<4>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0), c += 32;
+    if (c + 16 <= d) weighted_rows<2>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0), c += 16;
+    if (c + 8 <= d) weighted_rows<1>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0);
   }
 }
 

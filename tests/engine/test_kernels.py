@@ -1142,7 +1142,7 @@ def test_a_baseline_build_dispatches_the_same_variants(tmp_path, monkeypatch):
 def test_the_attention_kernels_prefetches_survive_the_compiler():
     """Every prefetch loop of the decode attention kernels is in the built library: GCC deletes a loop whose
     body is only __builtin_prefetch, and did so to all but the first of attend_rows' loops until 2026-12-05
-    (one prefetcht1 in each). An item's keys and values, and each block's keys ahead and values: at least 3
+    (one prefetcht1 in each). An item's first keys and values, and each block's keys ahead: at least 3
     prefetch instructions in each variant's kernel, fp32 and bf16 caches (objdump comes with the compiler)."""
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, installed with the C++ compiler) not found"
