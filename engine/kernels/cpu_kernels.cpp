@@ -2879,6 +2879,15 @@ constexpr int64_t kAttendLead = 4 << 10;  // bytes
 // Rows of `row` bytes kAttendLead covers (at least one).
 inline int64_t lead_rows(int64_t row) { return std::max<int64_t>(1, kAttendLead / row); }
 
+// An item's first prefetches, its first keys and values kAttendLead deep; returns the lead in rows.
+template <typename C>
+inline int64_t prefetch_start(const C* K, const C* V, int64_t lo, int64_t n, int64_t d) {
+  const int64_t row = d * static_cast<int64_t>(sizeof(C)), ahead = lead_rows(row);
+  prefetch_l2(K + lo * d, std::min(ahead, n) * row);
+  prefetch_l2(V + lo * d, std::min(ahead, n) * row);
+  return ahead;
+}
+
 // The keys' prefetch of the block of `lanes` positions from j0: the block `ahead` rows on, up to len.
 template <typename C>
 inline void prefetch_keys(const C* K, int64_t j0, int64_t lanes, int64_t ahead, int64_t len, int64_t d) {
@@ -2994,9 +3003,7 @@ inline void weighted_heads16(const float* w, int64_t n, const C* V, int64_t d, i
 template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
-  const int64_t n = len - lo, row = d * static_cast<int64_t>(sizeof(C)), ahead = lead_rows(row);
-  prefetch_l2(K + lo * d, std::min(ahead, n) * row);
-  prefetch_l2(V + lo * d, std::min(ahead, n) * row);
+  const int64_t n = len - lo, ahead = prefetch_start(K, V, lo, n, d);
   for (int64_t j0 = lo; j0 < len; j0 += 16) {
     prefetch_keys(K, j0, 16, ahead, len, d);
     const C* kr[16];
@@ -3069,9 +3076,7 @@ inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, floa
 template <typename C>
 void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t d, int64_t lo, int64_t len,
                  float sc, float* og, float* w) {
-  const int64_t n = len - lo, row = d * static_cast<int64_t>(sizeof(C)), ahead = lead_rows(row);
-  prefetch_l2(K + lo * d, std::min(ahead, n) * row);
-  prefetch_l2(V + lo * d, std::min(ahead, n) * row);
+  const int64_t n = len - lo, ahead = prefetch_start(K, V, lo, n, d);
   for (int64_t j0 = lo; j0 < len; j0 += 8) {
     prefetch_keys(K, j0, 8, ahead, len, d);
     const C* kr[8];
