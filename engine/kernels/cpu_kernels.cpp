@@ -3185,6 +3185,8 @@ inline void pack_tokens(const Act* x, int64_t n, int64_t K, uint32_t* bp) {
 struct Ahead {
   const char* p = nullptr;
   int64_t lines = 0;  // 64-byte lines from p
+  const char* q = nullptr;
+  int64_t q_lines = 0;  // and these from q (a gate block's up rows: tile_gate_up)
 };
 // Rows [r, r + rows) of the bf16 matrix m as an Ahead.
 inline Ahead rows_ahead(const Mat& m, int64_t r, int64_t rows) {
@@ -3192,10 +3194,14 @@ inline Ahead rows_ahead(const Mat& m, int64_t r, int64_t rows) {
 }
 
 // c[(g * 2 + h) * 256 + i * 16 + t] = dot(weight row r + 16 h + i, token t of group g), for NR blocks of
-// 16 rows from w (ld values a row) and NG token groups b[g] of n[g] tokens; meanwhile `ahead` into L2.
-template <int NR, int NG>
-inline void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, const int* n, int64_t K, float* c,
-                       Ahead ahead) {
+// 16 rows, the first from w and the second from w1 (ld values a row), and NG token groups b[g] of n[g]
+// tokens; meanwhile `ahead` into L2 (and its second range where TWO: tile_gate_up's blocks). A second
+// prefetch loop in every block's sweep, empty but for tile_gate_up's, made a 32000 x 512 product at 128
+// tokens (compute-bound) 3.3-3.6 -> 4.1-4.5 ms; inlined into its callers, its sweep kept values on the stack
+// (3.1-3.4 -> 3.6-3.7 ms): a function of its own.
+template <int NR, int NG, bool TWO = false>
+__attribute__((noinline)) void tile_block(const uint16_t* w, const uint16_t* w1, int64_t ld, const uint32_t* const* b, const int* n,
+                       int64_t K, float* c, Ahead ahead) {
   const int64_t stride = ld * 2;
   __asm__ volatile("" ::: "memory");  // the packed tokens are in memory before the first tile load
   _tile_zero(0);
@@ -3205,18 +3211,19 @@ inline void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, 
   // The next block's lines, spread over the inner sweep (tile_rows). 4 lines ahead a row (until 2026-12-05)
   // was slower than none: a tile product from memory at 4 / 16 / 32 tokens, 24576 x 1024 23.1 / 22.4 / 18.9
   // -> 23.9 / 23.8 / 20.1 GB/s, 65536 x 384 19.9 / 18.1 / 15.2 -> 22.0 / 20.6 / 15.7.
-  const int64_t per_step = (ahead.lines + K / 32 - 1) / (K / 32);
-  int64_t line = 0;
+  const int64_t per_p = (ahead.lines + K / 32 - 1) / (K / 32), per_q = (ahead.q_lines + K / 32 - 1) / (K / 32);
+  int64_t lp = 0, lq = 0;
   for (int64_t k = 0; k < K; k += 32) {
-    for (int64_t i = 0; i < per_step && line < ahead.lines; ++i, ++line)
-      _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
+    for (int64_t i = 0; i < per_p && lp < ahead.lines; ++i, ++lp) _mm_prefetch(ahead.p + lp * 64, _MM_HINT_T1);
+    if constexpr (TWO)
+      for (int64_t i = 0; i < per_q && lq < ahead.q_lines; ++i, ++lq) _mm_prefetch(ahead.q + lq * 64, _MM_HINT_T1);
     _tile_loadd(6, b[0] + k / 2 * n[0], n[0] * 4);
     if constexpr (NG > 1) _tile_loadd(7, b[1] + k / 2 * n[1], n[1] * 4);
     _tile_loadd(4, w + k, stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NG > 1) _tile_dpbf16ps(2, 4, 7);
     if constexpr (NR > 1) {
-      _tile_loadd(5, w + 16 * ld + k, stride);
+      _tile_loadd(5, w1 + k, stride);
       _tile_dpbf16ps(1, 5, 6);
       if constexpr (NG > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -3240,12 +3247,6 @@ inline __m512 tile_column(const float* c, int t) {
 inline void put_columns(float* out, int64_t ld, int64_t r, int64_t t0, int ng, const float* c, const float* add) {
   const __m512 b = add ? _mm512_loadu_ps(add) : _mm512_setzero_ps();
   for (int t = 0; t < ng; ++t) _mm512_storeu_ps(out + (t0 + t) * ld + r, _mm512_add_ps(tile_column(c, t), b));
-}
-
-// A put that stores the tile's 16 rows as they are: row i's ng dots at out + i * ld + t0.
-inline void put_rows(float* out, int64_t ld, int64_t t0, int ng, const float* c) {
-  const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
-  for (int i = 0; i < 16; ++i) _mm512_mask_storeu_ps(out + i * ld + t0, k, _mm512_load_ps(c + 16 * i));
 }
 
 inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
@@ -3285,8 +3286,9 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
       const int64_t next = std::min<int64_t>(32, r1 - (r + 16 * nr));
       ahead = next > 0 ? rows_ahead(m, r + 16 * nr, next) : after;
     }
-    if (nr == 2) nb > 0 ? tile_block<2, 2>(wr, m.ld, b, ng, K, c, ahead) : tile_block<2, 1>(wr, m.ld, b, ng, K, c, ahead);
-    else nb > 0 ? tile_block<1, 2>(wr, m.ld, b, ng, K, c, ahead) : tile_block<1, 1>(wr, m.ld, b, ng, K, c, ahead);
+    const uint16_t* wr1 = wr + 16 * m.ld;
+    if (nr == 2) nb > 0 ? tile_block<2, 2>(wr, wr1, m.ld, b, ng, K, c, ahead) : tile_block<2, 1>(wr, wr1, m.ld, b, ng, K, c, ahead);
+    else nb > 0 ? tile_block<1, 2>(wr, wr1, m.ld, b, ng, K, c, ahead) : tile_block<1, 1>(wr, wr1, m.ld, b, ng, K, c, ahead);
     for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
       for (int h = 0; h < nr; ++h) put(r + 16 * h, t0 + 16 * g, ng[g], c + (g * 2 + h) * 256);
   };
@@ -3299,6 +3301,44 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
   }
   for (; r < r1; ++r)
     for (int64_t t = 0; t < n; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
+}
+
+// The gate rows [r, r + rows) of a w13 matrix (gate rows, then up rows from inter on) with their up rows, as
+// an Ahead: the block tile_gate_up reads at r.
+inline Ahead gate_up_ahead(const Mat& m, int64_t r, int64_t inter, int64_t rows = 16) {
+  const Ahead g = rows_ahead(m, r, rows), u = rows_ahead(m, inter + r, rows);
+  return {g.p, g.lines, u.p, u.lines};
+}
+
+// Phase 1 of moe_tile for rows [r0, r1) of one expert's gate and up halves (w13), its n tokens x (packed as
+// B tiles at bp): act[t * inter + r] = bf16(silu(gate_r . x_t) * (up_r . x_t)). A tile block reads 16 gate
+// rows and the same 16 up rows, so both dots of a row meet in the block's C tiles and the activation is
+// written from them, a token's 16 values at a time; the last block prefetches `after`. r0 and r1 are
+// multiples of 16 (the tile mode's sizes are multiples of 32, and so are moe_tile's items).
+inline void tile_gate_up(const Mat& m, int64_t r0, int64_t r1, int64_t inter, const uint32_t* bp, int64_t n,
+                         int64_t K, TileState& ts, uint16_t* act, Ahead after = {}) {
+  const uint16_t* w = static_cast<const uint16_t*>(m.w);
+  alignas(64) float c[4 * 256];
+  for (int64_t r = r0; r < r1; r += 16) {
+    const Ahead ahead = r + 32 <= r1 ? gate_up_ahead(m, r + 16, inter) : after;
+    for (int64_t t0 = 0; t0 < n; t0 += 32) {
+      const int na = static_cast<int>(std::min<int64_t>(16, n - t0));
+      const int nb = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - t0 - 16)));
+      ts.shape();
+      const uint32_t* b[2] = {bp + t0 * K / 2, bp + (t0 + 16) * K / 2};
+      const int ng[2] = {na, nb};
+      const uint16_t *gate = w + r * m.ld, *up = w + (inter + r) * m.ld;
+      if (nb > 0) tile_block<2, 2, true>(gate, up, m.ld, b, ng, K, c, t0 == 0 ? ahead : Ahead{});
+      else tile_block<2, 1, true>(gate, up, m.ld, b, ng, K, c, t0 == 0 ? ahead : Ahead{});
+      for (int g = 0; g < (nb > 0 ? 2 : 1); ++g) {
+        float* cg = c + g * 512;  // gate dots, then up dots (tile_block's c)
+        silu_mul(cg, cg + 256, 256);
+        for (int t = 0; t < ng[g]; ++t)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (t0 + 16 * g + t) * inter + r),
+                              (__m256i)_mm512_cvtneps_pbh(tile_column(cg, t)));
+      }
+    }
+  }
 }
 
 void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, const float* bias, float* y) {
@@ -3316,13 +3356,27 @@ void linear_tile(const Mat& m, int64_t N, int64_t K, const Act* x, int64_t T, co
   });
 }
 
-// moe_kind's two phases on tiles, split among threads as moe_kind splits them (Spans); each expert's tokens
-// are packed once per phase.
+// moe_kind's two phases on tiles; each expert's tokens are packed once per phase.
+// Phase 1 splits among threads as moe_kind splits it (Spans): each item's gate and up rows go through
+// tile_gate_up, which writes the activations from the tiles (a pass over the gate rows and one over the up
+// rows, each block's dots stored to scratch rows, then silu(g) * u from them, until 2026-12-06: medium preset
+// MoE at 128 tokens, the script below, 7.47 -> 7.22 ms with phase 2 as it was).
 // Up to how many tokens an expert moe_tile takes runs (Spans): tile_rows reads a block of rows once for all
-// the tokens, so an expert of more tokens than kTokBlock needs no short items; above this count phase 2's
-// buffer (a row of H floats a slot) grows large, and short items sum into the output instead. A 128-token
-// prompt always had an expert of more than 64 tokens (medium preset: 71-126 in the 16 layers of one).
+// the tokens, so an expert of more tokens than kTokBlock needs no short items. A 128-token prompt always had
+// an expert of more than 64 tokens (medium preset: 71-126 in the 16 layers of one).
 constexpr int64_t kTileRunTokens = 256;
+// Phase 2 gives each thread a part of the output rows (H): every expert's down rows of that part in turn,
+// each product summed into the output as it comes (in expert order, whatever the threads), where each
+// thread gets at least kTileDownRows rows. Otherwise (many threads, a narrow model) runs of one expert's down
+// rows, each slot's product kept apart and summed per token (Spans), as moe_kind does. The part's output
+// rows (T tokens x its rows x 4 B) are kept within kTileDownBytes (the L2 of the AMX Xeons), so they stay
+// in cache across the experts. AMX Xeon, medium preset MoE, one process calling each way in turn on weights
+// from memory (/tmp script, medians of 16-50 calls each), ms: at 128 tokens slots 6.98, parts of 512 rows
+// 6.61, of 256 6.72 (no slot buffer of P x H floats written and read again, no sum); at 1024 tokens slots
+// 21.95, parts of 128 / 256 / 512 rows 20.78 / 19.55 / 19.46; at 2048 (short items) parts of 32 rows (the
+// parts until 2026-12-06) 48.8, of 128 / 256 / 512 44.9 / 44.3 / 44.0.
+constexpr int64_t kTileDownRows = 128;
+constexpr int64_t kTileDownBytes = int64_t{2} << 20;
 
 void moe_tile(const MoeJob& j, float* op) {
   const Routes& R = *j.routes;
@@ -3345,12 +3399,8 @@ void moe_tile(const MoeJob& j, float* op) {
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Short items (32 rows, where an expert has more tokens than a block) go 4 at a time to a thread, so that an
-  // item's up rows prefetch the next item's gate rows (tile_rows); runs go one at a time, for the balance.
+  // item's last block prefetches the next item's first; runs go one at a time, for the balance.
   const int64_t chunk = sp.runs ? 1 : 4, n_chunks = (n_items + chunk - 1) / chunk;
-  auto gate_rows = [&](int64_t it) {  // an item's first block of gate rows
-    const ExpertRows& item = items[it];
-    return rows_ahead(j.w13[item.e], item.r0, std::min<int64_t>(32, item.r1 - item.r0));
-  };
 #pragma omp parallel num_threads(n_threads) if (n_threads > 1 && n_chunks > 1)
   {
     TileState ts;
@@ -3359,34 +3409,31 @@ void moe_tile(const MoeJob& j, float* op) {
     for (int64_t it = ci * chunk; it < std::min(n_items, (ci + 1) * chunk); ++it) {
       const ExpertRows& item = items[it];
       const int64_t p0 = R.offset[item.e], n = R.offset[item.e + 1] - p0, rows = item.r1 - item.r0;
-      const uint32_t* b = bp.data() + p0 * H / 2;
-      const Scratch<float> g(kGateRows, rows * n), u(kUpRows, rows * n);
-      auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
-      auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
       if (n <= j.small) {  // few tokens: vdpbf16ps streams the rows faster than the tiles (MoeJob::small)
+        const Scratch<float> g(kGateRows, rows * n), u(kUpRows, rows * n);
+        auto gate_sink = [&](int64_t r, int64_t t, float v) { g[(r - item.r0) * n + t] = v; };
+        auto up_sink = [&](int64_t r, int64_t t, float v) { u[(r - inter - item.r0) * n + t] = v; };
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], item.r0, item.r1, xs.data() + p0, n, H, 0, gate_sink, 2);
         rows_times_tokens<Kind::Bf16Dp>(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, n, H, 0,
                                         up_sink, 2);
         store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
         continue;
       }
-      auto gate_put = [&](int64_t r, int64_t t0, int ng, const float* c) { put_rows(g.data() + (r - item.r0) * n, n, t0, ng, c); };
-      const Mat& w13 = j.w13[item.e];
-      const Ahead up_rows = rows_ahead(w13, inter + item.r0, std::min<int64_t>(32, rows));
-      tile_rows(w13, item.r0, item.r1, xs.data() + p0, b, n, H, ts, gate_sink, gate_put, up_rows);
-      auto up_put = [&](int64_t r, int64_t t0, int ng, const float* c) {
-        put_rows(u.data() + (r - inter - item.r0) * n, n, t0, ng, c);
-      };
-      const Ahead next = it + 1 < std::min(n_items, (ci + 1) * chunk) ? gate_rows(it + 1) : Ahead{};
-      tile_rows(j.w13[item.e], inter + item.r0, inter + item.r1, xs.data() + p0, b, n, H, ts, up_sink, up_put, next);
-      store_act(g.data(), u.data(), item.r0, rows, n, inter, act.data() + p0 * inter);
+      Ahead next;  // the next item's first block
+      if (it + 1 < std::min(n_items, (ci + 1) * chunk)) {
+        const ExpertRows& after = items[it + 1];
+        next = gate_up_ahead(j.w13[after.e], after.r0, inter, std::min<int64_t>(16, after.r1 - after.r0));
+      }
+      tile_gate_up(j.w13[item.e], item.r0, item.r1, inter, bp.data() + p0 * H / 2, n, H, ts, act.data() + p0 * inter,
+                   next);
     }
   }
   Prepared as;
   as.acts.assign(P, Act{});
   for (int64_t p = 0; p < P; ++p) as.acts[p].b = act.data() + p * inter;
   pack(as.acts.data(), inter);
-  if (sp.runs) {  // runs of one expert's down rows, each slot's product kept apart (Spans)
+  const int64_t part = std::min(H / n_threads, kTileDownBytes / (4 * std::max<int64_t>(j.T, 1))) / 32 * 32;
+  if (sp.runs && part < kTileDownRows) {  // runs of one expert's down rows, each slot's product kept apart
     const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
     const Scratch<float> y(kSlotOutputs, P * H);  // each slot's down product, unweighted
     const int64_t n_down = static_cast<int64_t>(down.size());
@@ -3408,7 +3455,7 @@ void moe_tile(const MoeJob& j, float* op) {
     sum_slots(R, y.data(), H, op);
     return;
   }
-  parallel_chunks(H, 32, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(H, std::max<int64_t>(32, part), [&](int64_t r0, int64_t r1) {
     TileState ts;
     auto routed_from = [&](int64_t e) {  // the first expert from e on with tokens (E: none)
       while (e < E && R.offset[e + 1] == R.offset[e]) ++e;
@@ -3416,8 +3463,8 @@ void moe_tile(const MoeJob& j, float* op) {
     };
     for (int64_t e = routed_from(0), next; e < E; e = next) {
       const int64_t p0 = R.offset[e], n = R.offset[e + 1] - p0;
-      next = routed_from(e + 1);  // its rows r0.. are prefetched while these run
-      const Ahead after = next < E ? rows_ahead(j.w2[next], r0, r1 - r0) : Ahead{};
+      next = routed_from(e + 1);  // its first rows are prefetched while these run
+      const Ahead after = next < E ? rows_ahead(j.w2[next], r0, std::min<int64_t>(32, r1 - r0)) : Ahead{};
       auto sink = [&](int64_t r, int64_t t, float v) { op[R.tok[p0 + t] * H + r] += R.gate[p0 + t] * v; };
       auto put = [&](int64_t r, int64_t t0, int ng, const float* c) {
         for (int t = 0; t < ng; ++t) {

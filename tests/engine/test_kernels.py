@@ -1041,6 +1041,38 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("tokens", [23, 70, 300])
+def test_moe_on_tiles_splits_the_down_rows_among_threads_or_keeps_each_slot_apart(tokens):
+    """Tile mode's phase 1 writes each activation from a block of 16 gate rows and their 16 up rows; phase 2
+    gives each thread a part of the output rows where every thread gets at least 128 (hidden 288 on 1 or 2
+    threads: parts of 288 rows, or of 128 and a last of 32), else keeps each slot's product apart (3
+    threads: 96 rows each). Every thread count gives the reference; phase 2's parts sum each output in
+    expert order, so 1 and 2 threads agree bit for bit."""
+    if _refused("amx"):
+        return
+    g = torch.Generator().manual_seed(tokens)
+    n_exp, hidden, inter, k = 16, 288, 96, 4
+    h = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = 3  # one expert of many tokens: two token groups and more
+    ids[0, 1] = -1
+    gates = torch.rand(tokens, k, generator=g)
+    w13 = (torch.randn(n_exp, 2 * inter, hidden, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(n_exp, hidden, inter, generator=g) / 8).bfloat16()
+    before, outs = torch.get_num_threads(), {}
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            outs[nt] = _ops().moe(h, w13, w2, ids, gates, "amx:tile")
+    finally:
+        torch.set_num_threads(before)
+    ref, _ = _moe_reference(h.bfloat16().float(), w13, w2, ids, gates)  # the tiles round act to bf16 too
+    for nt, got in outs.items():
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=1e-2 * float(ref.abs().max()), msg=f"{nt} threads")
+    assert torch.equal(outs[1], outs[2])
+    torch.testing.assert_close(outs[3], outs[1], rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_variants_follow_cpuid():
     v = kernels.variants()
     assert v["compiled"] == (list(kernels.ISA_VARIANTS) if X86 else ["scalar"])
