@@ -3185,8 +3185,6 @@ inline void pack_tokens(const Act* x, int64_t n, int64_t K, uint32_t* bp) {
 struct Ahead {
   const char* p = nullptr;
   int64_t lines = 0;  // 64-byte lines from p
-  const char* q = nullptr;
-  int64_t q_lines = 0;  // and these from q (a gate block's up rows: tile_gate_up)
 };
 // Rows [r, r + rows) of the bf16 matrix m as an Ahead.
 inline Ahead rows_ahead(const Mat& m, int64_t r, int64_t rows) {
@@ -3194,14 +3192,12 @@ inline Ahead rows_ahead(const Mat& m, int64_t r, int64_t rows) {
 }
 
 // c[(g * 2 + h) * 256 + i * 16 + t] = dot(weight row r + 16 h + i, token t of group g), for NR blocks of
-// 16 rows, the first from w and the second from w1 (ld values a row), and NG token groups b[g] of n[g]
-// tokens; meanwhile `ahead` into L2 (and its second range where TWO: tile_gate_up's blocks). A second
-// prefetch loop in every block's sweep, empty but for tile_gate_up's, made a 32000 x 512 product at 128
-// tokens (compute-bound) 3.3-3.6 -> 4.1-4.5 ms; inlined into its callers, its sweep kept values on the stack
-// (3.1-3.4 -> 3.6-3.7 ms): a function of its own.
-template <int NR, int NG, bool TWO = false>
-__attribute__((noinline)) void tile_block(const uint16_t* w, const uint16_t* w1, int64_t ld, const uint32_t* const* b, const int* n,
-                       int64_t K, float* c, Ahead ahead) {
+// 16 rows from w (ld values a row) and NG token groups b[g] of n[g] tokens; meanwhile `ahead` into L2. A
+// function of its own: inlined into its callers, its sweep kept values on the stack (a 32000 x 512 product
+// at 128 tokens, compute-bound, 3.1-3.4 -> 3.6-3.7 ms).
+template <int NR, int NG>
+__attribute__((noinline)) void tile_block(const uint16_t* w, int64_t ld, const uint32_t* const* b, const int* n,
+                                          int64_t K, float* c, Ahead ahead) {
   const int64_t stride = ld * 2;
   __asm__ volatile("" ::: "memory");  // the packed tokens are in memory before the first tile load
   _tile_zero(0);
@@ -3211,19 +3207,18 @@ __attribute__((noinline)) void tile_block(const uint16_t* w, const uint16_t* w1,
   // The next block's lines, spread over the inner sweep (tile_rows). 4 lines ahead a row (until 2026-12-05)
   // was slower than none: a tile product from memory at 4 / 16 / 32 tokens, 24576 x 1024 23.1 / 22.4 / 18.9
   // -> 23.9 / 23.8 / 20.1 GB/s, 65536 x 384 19.9 / 18.1 / 15.2 -> 22.0 / 20.6 / 15.7.
-  const int64_t per_p = (ahead.lines + K / 32 - 1) / (K / 32), per_q = (ahead.q_lines + K / 32 - 1) / (K / 32);
-  int64_t lp = 0, lq = 0;
+  const int64_t per_step = (ahead.lines + K / 32 - 1) / (K / 32);
+  int64_t line = 0;
   for (int64_t k = 0; k < K; k += 32) {
-    for (int64_t i = 0; i < per_p && lp < ahead.lines; ++i, ++lp) _mm_prefetch(ahead.p + lp * 64, _MM_HINT_T1);
-    if constexpr (TWO)
-      for (int64_t i = 0; i < per_q && lq < ahead.q_lines; ++i, ++lq) _mm_prefetch(ahead.q + lq * 64, _MM_HINT_T1);
+    for (int64_t i = 0; i < per_step && line < ahead.lines; ++i, ++line)
+      _mm_prefetch(ahead.p + line * 64, _MM_HINT_T1);
     _tile_loadd(6, b[0] + k / 2 * n[0], n[0] * 4);
     if constexpr (NG > 1) _tile_loadd(7, b[1] + k / 2 * n[1], n[1] * 4);
     _tile_loadd(4, w + k, stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NG > 1) _tile_dpbf16ps(2, 4, 7);
     if constexpr (NR > 1) {
-      _tile_loadd(5, w1 + k, stride);
+      _tile_loadd(5, w + 16 * ld + k, stride);
       _tile_dpbf16ps(1, 5, 6);
       if constexpr (NG > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -3286,9 +3281,8 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
       const int64_t next = std::min<int64_t>(32, r1 - (r + 16 * nr));
       ahead = next > 0 ? rows_ahead(m, r + 16 * nr, next) : after;
     }
-    const uint16_t* wr1 = wr + 16 * m.ld;
-    if (nr == 2) nb > 0 ? tile_block<2, 2>(wr, wr1, m.ld, b, ng, K, c, ahead) : tile_block<2, 1>(wr, wr1, m.ld, b, ng, K, c, ahead);
-    else nb > 0 ? tile_block<1, 2>(wr, wr1, m.ld, b, ng, K, c, ahead) : tile_block<1, 1>(wr, wr1, m.ld, b, ng, K, c, ahead);
+    if (nr == 2) nb > 0 ? tile_block<2, 2>(wr, m.ld, b, ng, K, c, ahead) : tile_block<2, 1>(wr, m.ld, b, ng, K, c, ahead);
+    else nb > 0 ? tile_block<1, 2>(wr, m.ld, b, ng, K, c, ahead) : tile_block<1, 1>(wr, m.ld, b, ng, K, c, ahead);
     for (int g = 0; g < (nb > 0 ? 2 : 1); ++g)
       for (int h = 0; h < nr; ++h) put(r + 16 * h, t0 + 16 * g, ng[g], c + (g * 2 + h) * 256);
   };
@@ -3303,24 +3297,22 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
     for (int64_t t = 0; t < n; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
 }
 
-// The gate rows [r, r + rows) of a w13 matrix (gate rows, then up rows from inter on) with their up rows, as
-// an Ahead: the block tile_gate_up reads at r.
-inline Ahead gate_up_ahead(const Mat& m, int64_t r, int64_t inter, int64_t rows = 16) {
-  const Ahead g = rows_ahead(m, r, rows), u = rows_ahead(m, inter + r, rows);
-  return {g.p, g.lines, u.p, u.lines};
-}
-
-// Phase 1 of moe_tile for rows [r0, r1) of one expert's gate and up halves (w13), its n tokens x (packed as
-// B tiles at bp): act[t * inter + r] = bf16(silu(gate_r . x_t) * (up_r . x_t)). A tile block reads 16 gate
-// rows and the same 16 up rows, so both dots of a row meet in the block's C tiles and the activation is
-// written from them, a token's 16 values at a time; the last block prefetches `after`. r0 and r1 are
-// multiples of 16 (the tile mode's sizes are multiples of 32, and so are moe_tile's items).
+// Phase 1 of moe_tile for rows [r0, r1) of one expert's gate and up halves (w13: gate rows, then up rows from
+// inter on), its n tokens packed as B tiles at bp: act[t * inter + r] = bf16(silu(gate_r . x_t) * (up_r . x_t)).
+// A block of 32 gate rows, then the same 32 up rows, each token group's dots kept in registers' stores (cg,
+// cu) until both are done, and the activations written from them, a token's 16 values at a time. The gate
+// block prefetches its up rows, the up block the next gate rows (or `after`). r0 and r1 are multiples of 32
+// (the tile mode's sizes are, and so are moe_tile's items).
+// One tile_block of 16 gate rows with their 16 up rows (its two A tiles) read 5 % slower in a C loop of the
+// tiles from memory (16 tokens, 2 threads, 3 rounds: 32.9-33.2 against 34.6-34.8 GB/s for 32 rows in a run)
+// and the same in the MoE (medium preset, 128 tokens, alternated processes: 6.05-6.09 against 6.04-6.09
+// ms); this way needs one prefetch range a block.
 inline void tile_gate_up(const Mat& m, int64_t r0, int64_t r1, int64_t inter, const uint32_t* bp, int64_t n,
                          int64_t K, TileState& ts, uint16_t* act, Ahead after = {}) {
   const uint16_t* w = static_cast<const uint16_t*>(m.w);
-  alignas(64) float c[4 * 256];
-  for (int64_t r = r0; r < r1; r += 16) {
-    const Ahead ahead = r + 32 <= r1 ? gate_up_ahead(m, r + 16, inter) : after;
+  alignas(64) float cg[4 * 256], cu[4 * 256];
+  for (int64_t r = r0; r < r1; r += 32) {
+    const Ahead next = r + 32 < r1 ? rows_ahead(m, r + 32, 32) : after;
     for (int64_t t0 = 0; t0 < n; t0 += 32) {
       const int na = static_cast<int>(std::min<int64_t>(16, n - t0));
       const int nb = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - t0 - 16)));
@@ -3328,14 +3320,20 @@ inline void tile_gate_up(const Mat& m, int64_t r0, int64_t r1, int64_t inter, co
       const uint32_t* b[2] = {bp + t0 * K / 2, bp + (t0 + 16) * K / 2};
       const int ng[2] = {na, nb};
       const uint16_t *gate = w + r * m.ld, *up = w + (inter + r) * m.ld;
-      if (nb > 0) tile_block<2, 2, true>(gate, up, m.ld, b, ng, K, c, t0 == 0 ? ahead : Ahead{});
-      else tile_block<2, 1, true>(gate, up, m.ld, b, ng, K, c, t0 == 0 ? ahead : Ahead{});
+      const Ahead up_rows = t0 == 0 ? rows_ahead(m, inter + r, 32) : Ahead{};
+      if (nb > 0) {
+        tile_block<2, 2>(gate, m.ld, b, ng, K, cg, up_rows);
+        tile_block<2, 2>(up, m.ld, b, ng, K, cu, t0 == 0 ? next : Ahead{});
+      } else {
+        tile_block<2, 1>(gate, m.ld, b, ng, K, cg, up_rows);
+        tile_block<2, 1>(up, m.ld, b, ng, K, cu, t0 == 0 ? next : Ahead{});
+      }
       for (int g = 0; g < (nb > 0 ? 2 : 1); ++g) {
-        float* cg = c + g * 512;  // gate dots, then up dots (tile_block's c)
-        silu_mul(cg, cg + 256, 256);
-        for (int t = 0; t < ng[g]; ++t)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (t0 + 16 * g + t) * inter + r),
-                              (__m256i)_mm512_cvtneps_pbh(tile_column(cg, t)));
+        silu_mul(cg + g * 512, cu + g * 512, 512);  // both row tiles of token group g
+        for (int h = 0; h < 2; ++h)
+          for (int t = 0; t < ng[g]; ++t)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (t0 + 16 * g + t) * inter + r + 16 * h),
+                                (__m256i)_mm512_cvtneps_pbh(tile_column(cg + (g * 2 + h) * 256, t)));
       }
     }
   }
@@ -3420,10 +3418,7 @@ void moe_tile(const MoeJob& j, float* op) {
         continue;
       }
       Ahead next;  // the next item's first block
-      if (it + 1 < std::min(n_items, (ci + 1) * chunk)) {
-        const ExpertRows& after = items[it + 1];
-        next = gate_up_ahead(j.w13[after.e], after.r0, inter, std::min<int64_t>(16, after.r1 - after.r0));
-      }
+      if (it + 1 < std::min(n_items, (ci + 1) * chunk)) next = rows_ahead(j.w13[items[it + 1].e], items[it + 1].r0, 32);
       tile_gate_up(j.w13[item.e], item.r0, item.r1, inter, bp.data() + p0 * H / 2, n, H, ts, act.data() + p0 * inter,
                    next);
     }
