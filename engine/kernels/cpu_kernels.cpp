@@ -190,7 +190,7 @@ struct Prepared {
 // is at most kKeepBytes (so a MoE layer's buffers cost neither zeroing nor page faults: zeroed vectors were
 // 0.7 ms of a 128-token prefill layer's 11.5 on the AMX Xeon), else memory of its own, freed with it. A
 // thread keeps at most kKeepBytes a slot; one call uses each slot once on each thread.
-enum ScratchSlot : int { kPackedTokens, kActivations, kSlotOutputs, kGateRows, kUpRows, kAttendWeights, kScratchSlots };
+enum ScratchSlot : int { kPackedTokens, kPackedActs, kActivations, kSlotOutputs, kGateRows, kUpRows, kAttendWeights, kScratchSlots };
 constexpr size_t kKeepBytes = size_t{32} << 20;
 
 struct FreeBytes {
@@ -3297,18 +3297,33 @@ void tile_rows(const Mat& m, int64_t r0, int64_t r1, const Act* x, const uint32_
     for (int64_t t = 0; t < n; ++t) sink(r, t, dot_bf16(w + r * m.ld, x[t].b, K));
 }
 
+// Tokens t0.. (ng of them, a token group) of the C tile c (16 rows from r, row i at c + 16 i) as bf16 into
+// B tiles of K = inter (pack_tokens' layout; the group's first token's at pk): each pair of rows is a line of
+// ng pairs, rounded as cvtneps rounds.
+inline void pack_tile_rows(const float* c, int64_t r, int64_t t0, int ng, int64_t inter, uint32_t* pk) {
+  const __m512i pairs = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);  // bf16 t, then 16 + t
+  const __mmask16 k = static_cast<__mmask16>((1u << ng) - 1);
+  uint32_t* out = pk + t0 * inter / 2 + r / 2 * ng;
+  for (int i = 0; i < 8; ++i) {  // rows 2 i and 2 i + 1: uint32 t = (row 2 i, row 2 i + 1) of token t
+    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c + 32 * i + 16), _mm512_load_ps(c + 32 * i));
+    _mm512_mask_storeu_epi32(out + i * ng, k, _mm512_permutexvar_epi16(pairs, two));
+  }
+}
+
 // Phase 1 of moe_tile for rows [r0, r1) of one expert's gate and up halves (w13: gate rows, then up rows from
-// inter on), its n tokens packed as B tiles at bp: act[t * inter + r] = bf16(silu(gate_r . x_t) * (up_r . x_t)).
-// A block of 32 gate rows, then the same 32 up rows, each token group's dots kept in registers' stores (cg,
-// cu) until both are done, and the activations written from them, a token's 16 values at a time. The gate
-// block prefetches its up rows, the up block the next gate rows (or `after`). r0 and r1 are multiples of 32
-// (the tile mode's sizes are, and so are moe_tile's items).
+// inter on), its n tokens packed as B tiles at bp: the activations bf16(silu(gate_r . x_t) * (up_r . x_t)),
+// packed as phase 2 reads them (B tiles of K = inter at pk, pack_tokens' layout). A block of 32 gate rows,
+// then the same 32 up rows, each token group's dots kept in the tiles' stores (cg, cu) until both are done,
+// and the activations packed from them. The gate block prefetches its up rows, the up block the next gate
+// rows (or `after`). r0 and r1 are multiples of 32 (the tile mode's sizes are, and so are moe_tile's items).
 // One tile_block of 16 gate rows with their 16 up rows (its two A tiles) read 5 % slower in a C loop of the
 // tiles from memory (16 tokens, 2 threads, 3 rounds: 32.9-33.2 against 34.6-34.8 GB/s for 32 rows in a run)
 // and the same in the MoE (medium preset, 128 tokens, alternated processes: 6.05-6.09 against 6.04-6.09
 // ms); this way needs one prefetch range a block.
 inline void tile_gate_up(const Mat& m, int64_t r0, int64_t r1, int64_t inter, const uint32_t* bp, int64_t n,
-                         int64_t K, TileState& ts, uint16_t* act, Ahead after = {}) {
+                         int64_t K, TileState& ts, uint32_t* pk, Ahead after = {}) {
   const uint16_t* w = static_cast<const uint16_t*>(m.w);
   alignas(64) float cg[4 * 256], cu[4 * 256];
   for (int64_t r = r0; r < r1; r += 32) {
@@ -3330,10 +3345,7 @@ inline void tile_gate_up(const Mat& m, int64_t r0, int64_t r1, int64_t inter, co
       }
       for (int g = 0; g < (nb > 0 ? 2 : 1); ++g) {
         silu_mul(cg + g * 512, cu + g * 512, 512);  // both row tiles of token group g
-        for (int h = 0; h < 2; ++h)
-          for (int t = 0; t < ng[g]; ++t)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (t0 + 16 * g + t) * inter + r + 16 * h),
-                                (__m256i)_mm512_cvtneps_pbh(tile_column(cg + (g * 2 + h) * 256, t)));
+        for (int h = 0; h < 2; ++h) pack_tile_rows(cg + (g * 2 + h) * 256, r + 16 * h, t0 + 16 * g, ng[g], inter, pk);
       }
     }
   }
@@ -3391,7 +3403,9 @@ void moe_tile(const MoeJob& j, float* op) {
     });
   };
   pack(xs.data(), H);
-  const Scratch<uint16_t> act(kActivations, P * inter);  // phase 1's activations, as bf16 rows
+  // Phase 1's activations: packed as B tiles where the expert runs on tiles, else as bf16 rows.
+  const Scratch<uint32_t> pk(kPackedActs, P * inter / 2 + 16);  // + 16: TileState's slack
+  const Scratch<uint16_t> act(kActivations, P * inter);
   const int n_threads = at::get_num_threads();
   const Spans sp = moe_spans(R, E, inter, H, n_threads, kTileRunTokens);
   const std::vector<ExpertRows> items = expert_runs(R, E, inter, sp.work_up);  // short items: 32 rows
@@ -3419,14 +3433,13 @@ void moe_tile(const MoeJob& j, float* op) {
       }
       Ahead next;  // the next item's first block
       if (it + 1 < std::min(n_items, (ci + 1) * chunk)) next = rows_ahead(j.w13[items[it + 1].e], items[it + 1].r0, 32);
-      tile_gate_up(j.w13[item.e], item.r0, item.r1, inter, bp.data() + p0 * H / 2, n, H, ts, act.data() + p0 * inter,
+      tile_gate_up(j.w13[item.e], item.r0, item.r1, inter, bp.data() + p0 * H / 2, n, H, ts, pk.data() + p0 * inter / 2,
                    next);
     }
   }
   Prepared as;
   as.acts.assign(P, Act{});
   for (int64_t p = 0; p < P; ++p) as.acts[p].b = act.data() + p * inter;
-  pack(as.acts.data(), inter);
   const int64_t part = std::min(H / n_threads, kTileDownBytes / (4 * std::max<int64_t>(j.T, 1))) / 32 * 32;
   if (sp.runs && part < kTileDownRows) {  // runs of one expert's down rows, each slot's product kept apart
     const std::vector<ExpertRows> down = expert_runs(R, E, H, sp.work_down);
@@ -3444,7 +3457,7 @@ void moe_tile(const MoeJob& j, float* op) {
         if (n <= j.small)
           rows_times_tokens<Kind::Bf16Dp>(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, n, inter, 0, sink, 2);
         else
-          tile_rows(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put);
+          tile_rows(j.w2[item.e], item.r0, item.r1, as.acts.data() + p0, pk.data() + p0 * inter / 2, n, inter, ts, sink, put);
       }
     }
     sum_slots(R, y.data(), H, op);
@@ -3468,7 +3481,7 @@ void moe_tile(const MoeJob& j, float* op) {
         }
       };
       if (n <= j.small) rows_times_tokens<Kind::Bf16Dp>(j.w2[e], r0, r1, as.acts.data() + p0, n, inter, 0, sink);
-      else tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, bp.data() + p0 * inter / 2, n, inter, ts, sink, put, after);
+      else tile_rows(j.w2[e], r0, r1, as.acts.data() + p0, pk.data() + p0 * inter / 2, n, inter, ts, sink, put, after);
     }
   });
 }
