@@ -1043,8 +1043,8 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
 
 @pytest.mark.parametrize("tokens", [23, 70, 300])
 def test_moe_on_tiles_splits_the_down_rows_among_threads_or_keeps_each_slot_apart(tokens):
-    """Tile mode's phase 1 writes each activation from a block of 16 gate rows and their 16 up rows; phase 2
-    gives each thread a part of the output rows where every thread gets at least 128 (hidden 288 on 1 or 2
+    """Tile mode's phase 1 writes the activations from the tiles of a block of 32 gate rows and the same 32
+    up rows, packed as phase 2's B tiles; phase 2 gives each thread a part of the output rows where every thread gets at least 128 (hidden 288 on 1 or 2
     threads: parts of 288 rows, or of 128 and a last of 32), else keeps each slot's product apart (3
     threads: 96 rows each). Every thread count gives the reference; phase 2's parts sum each output in
     expert order, so 1 and 2 threads agree bit for bit."""
