@@ -603,6 +603,9 @@ class MoEDecoder:
             out = kernels.ops().decode_attention(q, kc, vc, plan.slot_index, plan.lens, spec.sliding_window or 0,
                                                  self.scale, k.contiguous(), v.contiguous())
             return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo, self._q8(lw, "wo"))
+        if self.native and not on_host and q.dtype == torch.float32 and kc.dtype in (torch.float32, torch.bfloat16):
+            return self._linear(self._native_attention(q, k, v, kc, vc, plan).reshape(t, spec.q_size), lw.wo, lw.bo,
+                                self._q8(lw, "wo"))
         # Write the step's keys and values into the cache: [slot, head, pos, d] (in the cache's dtype).
         kc[plan.slot_of_token, :, plan.pos_of_token] = k.to(kc.dtype)
         vc[plan.slot_of_token, :, plan.pos_of_token] = v.to(vc.dtype)
@@ -630,6 +633,29 @@ class MoEDecoder:
         if on_host:
             out = out.to(self.device)
         return self._linear(out.reshape(t, spec.q_size), lw.wo, lw.bo, self._q8(lw, "wo"))
+
+    def _native_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                          plan: _AttentionPlan) -> torch.Tensor:
+        """A step with prompt tokens on the native kernels: each prompt segment's tokens in one call
+        (``prefill_attention``: causal over the cache up to each token, its keys and values written first),
+        the decode rows together (``decode_attention``). Against PyTorch's flash kernel on the AMX Xeon (a
+        128-token prompt of the medium preset, 2 threads, a layer, with the writes and copies it saves): 417 -> 192 us."""
+        spec = self.spec
+        window, ops = spec.sliding_window or 0, kernels.ops()
+        segs = plan.prefill
+        if len(segs) == 1 and plan.decode_rows is None:  # one prompt: no copies
+            s = segs[0]
+            return ops.prefill_attention(q, kc, vc, s.slot, s.past_len, window, self.scale, k, v)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            rows = plan.decode_rows
+            out[rows] = ops.decode_attention(q[rows], kc, vc, plan.slot_index, plan.lens, window, self.scale,
+                                             k[rows], v[rows])
+        for s in segs:
+            part = slice(s.start, s.start + s.n_tokens)
+            out[part] = ops.prefill_attention(q[part], kc, vc, s.slot, s.past_len, window, self.scale, k[part],
+                                              v[part])
+        return out
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

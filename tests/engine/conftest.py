@@ -195,12 +195,14 @@ class EngineDriver:
 @pytest.fixture
 def open_engine() -> Callable[..., EngineDriver]:
     """``open_engine(path, dtype=torch.float32, n_slots=4, max_len_tokens=256, initial_len_tokens=256,
-    reserve=True)``: ``reserve=False`` makes the cache grow from ``initial_len_tokens`` positions."""
+    reserve=True, weight_dtype=None)``: ``reserve=False`` makes the cache grow from ``initial_len_tokens``
+    positions; a ``weight_dtype`` other than ``dtype`` keeps the weights in it (the native kernels' case)."""
 
     def open_(path: Path, dtype: torch.dtype = torch.float32, n_slots: int = 4, max_len_tokens: int = 256,
-              initial_len_tokens: int = 256, reserve: bool = True) -> EngineDriver:
+              initial_len_tokens: int = 256, reserve: bool = True,
+              weight_dtype: torch.dtype | None = None) -> EngineDriver:
         ckpt = Checkpoint(path)
-        decoder = MoEDecoder(ckpt, dtype, torch.device("cpu"))
+        decoder = MoEDecoder(ckpt, dtype, torch.device("cpu"), weight_dtype=weight_dtype)
         cache = KVCache(ckpt.spec, n_slots, max_len_tokens, dtype, torch.device("cpu"),
                         initial_len=initial_len_tokens, reserve=reserve)
         return EngineDriver(decoder, cache)

@@ -407,6 +407,66 @@ def test_decode_attention_matches_softmax_at_every_head_size(variant, head_dim, 
         op.set_isa("auto")
 
 
+def _causal_reference(q, kc, vc, slot, past, window, scale):
+    """PyTorch's attention of q [T, Hq, d] (positions past..) over the cache of `slot` up to each position."""
+    end = past + q.shape[0]
+    qpos, kpos = torch.arange(past, end)[:, None], torch.arange(end)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[slot: slot + 1, :, :end].float(),
+                                         vc[slot: slot + 1, :, :end].float(), attn_mask=mask[None, None],
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("variant", kernels.ISA_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 24, 12])
+def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
+    """A prompt's tokens against the cache up to each one's position, on every variant this CPU runs (AVX-512:
+    blocks of 16 tokens of a KV head, 8 query rows x 32 keys of scores, 4 heads' outputs 32 keys at a time;
+    the others token by token as decode attends; a head size not a multiple of 8: the scalar loop): prompts
+    of 1, 7, 16 and 45 tokens (a block, less, a block and a part), after 0, 5 or 70 cached positions, with
+    and without a window (shorter than a block, longer than one), groups of 1, 3 and 4 query heads. The
+    step's keys and values land in the cache as indexing would write them, nothing else moves."""
+    if _refused(variant):
+        return
+    g = torch.Generator().manual_seed(head_dim)
+    op = _ops()
+    try:
+        op.set_isa(variant)
+        for tokens, past, window, group in [(1, 0, 0, 1), (7, 5, 0, 3), (16, 0, 0, 4), (45, 70, 0, 4),
+                                            (45, 0, 5, 3), (16, 70, 20, 1), (45, 5, 40, 4)]:
+            kc = torch.randn(3, 2, 128, head_dim, generator=g).to(dtype)
+            vc = torch.randn(3, 2, 128, head_dim, generator=g).to(dtype)
+            q = torch.randn(tokens, 2 * group, head_dim, generator=g)
+            k, v = torch.randn(tokens, 2, head_dim, generator=g), torch.randn(tokens, 2, head_dim, generator=g)
+            ref_k, ref_v = kc.clone(), vc.clone()
+            ref_k[1, :, past: past + tokens] = k.transpose(0, 1).to(dtype)
+            ref_v[1, :, past: past + tokens] = v.transpose(0, 1).to(dtype)
+            got = op.prefill_attention(q, kc, vc, 1, past, window, 0.3, k, v)
+            assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+            want = _causal_reference(q, ref_k, ref_v, 1, past, window, 0.3)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{tokens} {past} {window} {group}")
+    finally:
+        op.set_isa("auto")
+
+
+def test_prefill_attention_refuses_what_does_not_fit():
+    kc, vc = torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, 16, 8)
+    q, k, v = torch.randn(4, 4, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _ops().prefill_attention(q, kc, vc, 1, 13, 0, 0.3, k, v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _ops().prefill_attention(q, kc, vc, 2, 0, 0, 0.3, k, v)
+    with pytest.raises(RuntimeError, match="k and v must be contiguous float32"):
+        _ops().prefill_attention(q, kc, vc, 0, 0, 0, 0.3, k[:3], v[:3])
+    with pytest.raises(RuntimeError, match="caches must be"):
+        _ops().prefill_attention(q, kc.half(), vc.half(), 0, 0, 0, 0.3, k, v)
+    assert torch.equal(kc, torch.zeros_like(kc))  # nothing written by a refused call
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_writes_the_step_rows_as_indexing_would(dtype):
     """With k and v: the step's rows land at position lens-1 of each slot (rounded to the cache's dtype as

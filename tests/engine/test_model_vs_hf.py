@@ -112,15 +112,10 @@ CHUNKED = [pytest.param(arch, {}, id=arch) for arch in ARCHS] + [
 ]
 
 
-@pytest.mark.parametrize(("arch", "overrides"), CHUNKED)
-def test_chunked_prefill_matches_one_shot(arch, overrides, ckpt, hf, open_engine):
-    """A 37-token prompt prefilled in chunks of 8 (8+8+8+8+5, logits only after the last) and a
-    17-token one (8+8+1: a one-token last chunk) beside a third sequence decoding in the same steps,
-    then all decode: equal to transformers' one pass over each sequence. The cache starts at 16
-    positions so it grows in the middle of the prompts."""
-    path = ckpt(arch, **overrides)
-    model = reference(hf, path)
-    driver = open_engine(path, initial_len_tokens=16, reserve=False)
+def chunked_steps(driver: Any) -> None:
+    """A 37-token prompt prefilled in chunks of 8 (8+8+8+8+5, logits only after the last) and a 17-token
+    one (8+8+1: a one-token last chunk) beside a third sequence decoding in the same steps, then all
+    decode."""
     prompts = {"long": driver.random_prompt(37, seed=1), "tail": driver.random_prompt(17, seed=2)}
     chunks = {seq: [p[i: i + 8] for i in range(0, len(p), 8)] for seq, p in prompts.items()}
     driver.admit("other", 0)
@@ -136,8 +131,37 @@ def test_chunked_prefill_matches_one_shot(arch, overrides, ckpt, hf, open_engine
     assert list(driver.logits["long"]) == [36] and list(driver.logits["tail"]) == [16]
     for _ in range(3):
         driver.decode(["long", "other", "tail"])
+
+
+@pytest.mark.parametrize(("arch", "overrides"), CHUNKED)
+def test_chunked_prefill_matches_one_shot(arch, overrides, ckpt, hf, open_engine):
+    """chunked_steps equal to transformers' one pass over each sequence. The cache starts at 16 positions
+    so it grows in the middle of the prompts."""
+    path = ckpt(arch, **overrides)
+    model = reference(hf, path)
+    driver = open_engine(path, initial_len_tokens=16, reserve=False)
+    chunked_steps(driver)
     assert not driver.cache.reserved and driver.cache.capacity >= 40
     assert_matches(hf, driver, model, FP32_TOL)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), CHUNKED)
+def test_native_attention_of_prompts_matches_transformers(arch, overrides, ckpt, hf, open_engine, native_kernels):
+    """bf16 weights computed in fp32 run on the native kernels, prompts' attention included
+    (prefill_attention, with decode_attention for the decode rows of a mixed step). The products are held
+    to the fp32 path (weights widened in registers), so the logits stay within fp32 noise of transformers'
+    fp32 run of the same weights: prompts prefilled together, a prompt joining decode rows, chunks after
+    cached positions, sliding windows."""
+    from engine import kernels
+
+    path = ckpt(arch, dtype="bfloat16", **overrides)
+    model = reference(hf, path, torch.float32)
+    with kernels.forced_paths(bf16="f32"):
+        for steps in (mixed_batch, chunked_steps):
+            driver = open_engine(path, weight_dtype=torch.bfloat16)
+            assert driver.decoder.native
+            steps(driver)
+            assert_matches(hf, driver, model, FP32_TOL)
 
 
 def odd_sizes(arch: str) -> dict[str, Any]:
