@@ -171,6 +171,12 @@ def _dispatch_lines(d: dict[str, Any] | None) -> list[str]:
         peaks = d["peak_gflops"].get(prec, {})
         lines.append(f"          {prec:<5} " + (f"{forced} (forced)" if forced else "; ".join(parts))
                      + (" | peak " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()) if peaks else ""))
+    att = d.get("attention") or {}
+    if att:
+        lines.append("attention decode on the " + (f"{att['decode']} kernel" if att["decode"] else "scalar loop")
+                     + "; prompts " + (f"on the {att['prompts']} kernel (blocks of 16 tokens)" if att["prompts"]
+                                       else "token by token as decode")
+                     + " (head sizes a multiple of 8; others: the scalar loop)")
     return lines
 
 

@@ -203,6 +203,15 @@ def cpu_features() -> list[str]:
     return list(ops().cpu_features())
 
 
+def attention_kernels(head_dim: int = 64, variant: str = "") -> dict[str, str]:
+    """The variants whose kernels serve attention for ``head_dim`` on ``variant`` (default: the chosen one),
+    following its fallbacks as the ops do: ``decode`` (decode_attention) and ``prompts`` (prefill_attention,
+    blocks of 16 tokens of a KV head), each "" where no variant has one (decode: a scalar loop; prompts: token
+    by token as decode attends). Every vector variant has both for head sizes that are a multiple of 8."""
+    decode, prompts = ops().attention_kernels(head_dim, variant)
+    return {"decode": str(decode), "prompts": str(prompts)}
+
+
 def amx_present() -> bool:
     """Whether this CPU has AMX tiles for bf16 and the OS enables their state (CPUID, XGETBV)."""
     return {"amx_tile", "amx_bf16", "os_amx"} <= set(cpu_features())
@@ -573,7 +582,7 @@ def dispatch_report() -> dict[str, object]:
             "paths": {p: {k: v for k, v in t.items() if k != "native_ranges"} for p, t in table.items()},
             "forced": dict(_forced), "peak_gflops": peaks, "measured_shape": measured.get("shape"),
             "moe_vector_tokens": _state.get("moe_vector_tokens", 0),
-            "token_points": measured.get("points")}
+            "token_points": measured.get("points"), "attention": attention_kernels()}
 
 
 def dispatch_summary() -> str:
@@ -590,5 +599,7 @@ def dispatch_summary() -> str:
         desc = ", ".join(f"{p} <={u}" if u is not None else (f"{p} above" if i else p)
                          for i, (u, p) in enumerate(ranges))  # type: ignore[misc]
         parts.append(f"{prec} {desc}")
+    att = attention_kernels()
+    parts.append(f"attention {att['decode'] or 'scalar'}, prompts {att['prompts'] or 'token by token'}")
     return "; ".join(parts)
 

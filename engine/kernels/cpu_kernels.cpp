@@ -52,6 +52,7 @@
 //     -> (values or packed bytes uint8 [n_pad, K or K/2], (scale, zero) bf16 [K/group,n_pad,2]): weights
 //     into the engine's formats, bit for bit as engine/moe/quant.py's PyTorch reference, in one pass
 //   isa() -> the default variant; variants() -> (compiled, runnable here); set_isa(name | "auto");
+//   attention_kernels(d, variant="") -> the variants whose kernels serve decode and prompt attention
 //   cpu_features() -> what CPUID/XGETBV report (avx2, avx512_bf16, amx_tile, ...)
 //   stream_read(buf f32, ahead=True) -> the sum of buf, read as decode products read weights (kStreams
 //     streams far apart; ahead: a line of each at a time, prefetched as the products prefetch)
@@ -391,9 +392,9 @@ __attribute__((target("avx512f"))) inline __m512 exp_lanes(__m512 r) {
   for (int j = 5; j >= 0; --j) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[j]));
   return _mm512_scalef_ps(p, k);
 }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp_lanes(__m256 r) {  // 2^n built in the exponent bits (-126 <= n <= 127 after the clamp)
+// The 8-lane one likewise for AVX2 and FMA (the AVX2 variants' prefill kernel calls it); 2^n built in the
+// exponent bits (-126 <= n <= 127 after the clamp).
+__attribute__((target("avx2,fma"))) inline __m256 exp_lanes(__m256 r) {
   static constexpr float c[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
   r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(r, _mm256_set1_ps(1.44269504088896341f)),
@@ -2009,6 +2010,19 @@ std::tuple<std::vector<std::string>, std::vector<std::string>> variants() {
 
 void set_isa(const std::string& name) { default_variant() = name == "auto" ? best_variant() : variant_index(name); }
 
+// The variants whose kernels serve attention for head size d on `variant` (empty: the default one), following
+// its fallbacks as decode_attention and prefill_attention do: (decode, prompts), each "" where none has one
+// (decode: decode_attention_impl's scalar loop; prompts: token by token as decode).
+std::vector<std::string> attention_kernels(int64_t d, const std::string& variant) {
+  const int start = variant.empty() ? default_variant() : variant_index(variant);
+  std::vector<std::string> out(2);
+  for (int v = start; v >= 0 && out[0].empty(); v = all_variants()[v].fallback)
+    if (all_variants()[v].attend(d, false)) out[0] = all_variants()[v].name;
+  for (int v = start; v >= 0 && out[1].empty(); v = all_variants()[v].fallback)
+    if (all_variants()[v].prefill(d, false)) out[1] = all_variants()[v].name;
+  return out;
+}
+
 std::vector<std::string> cpu_features() {
   const CpuFeatures& f = cpu();
   std::vector<std::string> out;
@@ -2153,6 +2167,7 @@ TORCH_LIBRARY(moetune, m) {
   m.def("isa() -> str", &isa);
   m.def("variants() -> (str[], str[])", &variants);
   m.def("set_isa(str name) -> ()", &set_isa);
+  m.def("attention_kernels(int d, str variant='') -> str[]", &attention_kernels);
   m.def("cpu_features() -> str[]", &cpu_features);
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, std::string, double, int64_t, double, int64_t, bool>())
@@ -3164,10 +3179,11 @@ inline __m256 lane_sums8(const __m256* a) {
 // o[0:8 NV] = sum over j < n of p[j] V[j d + 0:8 NV]: NV independent accumulators, one FMA each per row,
 // added in row order (the order the scalar loop adds in).
 // With `ahead`, row j + ahead of V (whole rows: the first pass over them) is prefetched as row j is read.
+// With `add`, the sums go on from what o holds (a part of the rows at a time).
 template <int NV, typename C>
-inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, float* o, int64_t ahead) {
+inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, float* o, int64_t ahead, bool add) {
   __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int v = 0; v < NV; ++v) acc[v] = add ? _mm256_loadu_ps(o + 8 * v) : _mm256_setzero_ps();
   const int64_t row = d * static_cast<int64_t>(sizeof(C));
   for (int64_t j = 0; j < n; ++j) {
     if (ahead && j + ahead < n) prefetch_l2(V + (j + ahead) * d, row);
@@ -3176,6 +3192,24 @@ inline void weighted_rows(const float* p, const C* V, int64_t n, int64_t d, floa
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(pj, cache8(vj + 8 * v), acc[v]);
   }
   for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + 8 * v, acc[v]);
+}
+
+// Every column of the outputs og [group, d] of one query's heads (d % 8 == 0; 64 columns at a time, then 32,
+// 16, 8), head by head, over n rows of V (head h's weights at w + h * ldw); the first head's first columns
+// prefetch the rows `ahead` on (the pass that reads them from memory); `add` as weighted_rows takes it.
+template <typename C>
+inline void weighted_outputs8(const float* w, int64_t ldw, int64_t n, const C* V, int64_t d, int64_t group, float* og,
+                              int64_t ahead, bool add = false) {
+  for (int64_t h = 0; h < group; ++h) {
+    const float* p = w + h * ldw;
+    float* oh = og + h * d;
+    int64_t c = 0;
+    const int64_t first = h == 0 ? ahead : 0;
+    for (; c + 64 <= d; c += 64) weighted_rows<8>(p, V + c, n, d, oh + c, c == 0 ? first : 0, add);
+    if (c + 32 <= d) weighted_rows<4>(p, V + c, n, d, oh + c, c == 0 ? first : 0, add), c += 32;
+    if (c + 16 <= d) weighted_rows<2>(p, V + c, n, d, oh + c, c == 0 ? first : 0, add), c += 16;
+    if (c + 8 <= d) weighted_rows<1>(p, V + c, n, d, oh + c, c == 0 ? first : 0, add);
+  }
 }
 
 // One (sequence, KV head) of decode attention, d % 8 == 0: scores of 8 positions at a time, 8 independent
@@ -3206,17 +3240,7 @@ void attend_rows(const float* qg, const C* K, const C* V, int64_t group, int64_t
     }
   }
   softmax_rows(w, group, n);
-  const C* Vlo = V + lo * d;
-  for (int64_t h = 0; h < group; ++h) {
-    const float* p = w + h * n;
-    float* oh = og + h * d;
-    int64_t c = 0;
-    const int64_t first = h == 0 ? ahead : 0;  // the first head's first columns read the rows from memory
-    for (; c + 64 <= d; c += 64) weighted_rows<8>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0);
-    if (c + 32 <= d) weighted_rows<4>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0), c += 32;
-    if (c + 16 <= d) weighted_rows<2>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0), c += 16;
-    if (c + 8 <= d) weighted_rows<1>(p, Vlo + c, n, d, oh + c, c == 0 ? first : 0);
-  }
+  weighted_outputs8(w, n, n, V + lo * d, d, group, og, ahead);
 }
 
 #endif
@@ -3248,7 +3272,11 @@ AttendKernel attend(int64_t, bool) { return nullptr; }
 // prompt (the call against what the per-op path ran before it: index writes, the flash kernel, the copy out;
 // medians of 30): 417 -> 192 us, a bf16 cache 464 -> 198, 512 tokens 4543 -> 2302, 2048 tokens 42875 ->
 // 35727 (every row's scores held whole: 512 KiB an item, past the L2), 128 tokens after 384 1566 -> 978.
+// The AVX2 kernel, the same driver with 8-lane parts (the same machine's AVX2 variant, set_isa, medians of 30,
+// 3 runs; token by token as decode attends before it): 128 tokens 442-458 -> 305-377 us, 512 tokens 7063-7179
+// -> 4001-4131, 2048 tokens 109465-112427 -> 59142-63850, 128 after 384 2962-2987 -> 1721-1778.
 #if MT_ISA == MT_AVX512
+constexpr int kScoreRows = 8;  // query rows a scores32 call takes: 16 accumulators
 
 // s[r * lds + 0:32] = sc x the dots of query rows qr[r] (R of them) with 32 transposed keys at kt.
 template <int R>
@@ -3271,76 +3299,153 @@ inline void scores32(const float* const* qr, const float* kt, int64_t ldk, int64
   }
 }
 
+// One row's softmax over its keys [a, b) of s, in place: the exponentials (shifted by their max), zeros before a
+// (read by the outputs; nothing past b is), 16 lanes at a time; returns 1 / their sum. exp_shifted's scalar tail
+// (a row of 1 .. 128 keys: 7.5 of them on average) was a third of a 128-token prompt's attention on one thread,
+// 181 of 578 us.
+inline float softmax_span(float* s, int64_t a, int64_t b) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  auto live = [&](int64_t j) {  // lanes j .. j + 15 within [a, b)
+    const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j)));
+    return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(a))) &
+                                  _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(b))));
+  };
+  const int64_t j0 = a / 16 * 16;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = j0; j < b; j += 16) mx = _mm512_mask_max_ps(mx, live(j), mx, _mm512_loadu_ps(s + j));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < j0; j += 16) _mm512_storeu_ps(s + j, _mm512_setzero_ps());
+  for (int64_t j = j0; j < b; j += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(live(j), exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift)));
+    _mm512_storeu_ps(s + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// One token's outputs o [group, d] summed on over n more rows of V (weights w, head h's at w + h * ldw).
 template <typename C>
-void prefill_rows(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t k0, const void* Vv, int64_t group,
+inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const C* V, int64_t d, int64_t group, float* o,
+                            bool add) {
+  weighted_outputs16(w, ldw, n, V, d, group, nullptr, o, 0, add);
+}
+
+#elif MT_ISA == MT_AVX2
+constexpr int kScoreRows = 6;  // query rows a scores32 call takes: 12 accumulators of the 16 registers
+
+// s[r * lds + 0:16] = sc x the dots of query rows qr[r] (R of them) with 16 transposed keys at kt.
+template <int R>
+inline void scores16(const float* const* qr, const float* kt, int64_t ldk, int64_t d, float sc, float* s,
+                     int64_t lds) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    const __m256 k0 = _mm256_loadu_ps(kt + c * ldk), k1 = _mm256_loadu_ps(kt + c * ldk + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qv = _mm256_broadcast_ss(qr[r] + c);
+      a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+    }
+  }
+  const __m256 vs = _mm256_set1_ps(sc);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * lds, _mm256_mul_ps(a[r][0], vs));
+    _mm256_storeu_ps(s + r * lds + 8, _mm256_mul_ps(a[r][1], vs));
+  }
+}
+
+// As AVX-512's: 32 keys, as two halves of 16 (the 16 registers hold 6 rows x 16 keys).
+template <int R>
+inline void scores32(const float* const* qr, const float* kt, int64_t ldk, int64_t d, float sc, float* s,
+                     int64_t lds) {
+  scores16<R>(qr, kt, ldk, d, sc, s, lds);
+  scores16<R>(qr, kt + 16, ldk, d, sc, s + 16, lds);
+}
+
+// As AVX-512's, 8 lanes at a time.
+inline float softmax_span(float* s, int64_t a, int64_t b) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i va = _mm256_set1_epi32(static_cast<int>(a) - 1), vb = _mm256_set1_epi32(static_cast<int>(b));
+  auto live = [&](int64_t j) {  // lanes j .. j + 7 within [a, b): all ones, else zeros
+    const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(j)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(at, va), _mm256_cmpgt_epi32(vb, at)));
+  };
+  const int64_t j0 = a / 8 * 8;
+  const __m256 lowest = _mm256_set1_ps(-INFINITY);
+  __m256 mx = lowest;
+  for (int64_t j = j0; j < b; j += 8) mx = _mm256_max_ps(mx, _mm256_blendv_ps(lowest, _mm256_loadu_ps(s + j), live(j)));
+  alignas(32) float l[8];
+  _mm256_store_ps(l, mx);
+  const __m256 shift = _mm256_set1_ps(*std::max_element(l, l + 8));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < j0; j += 8) _mm256_storeu_ps(s + j, _mm256_setzero_ps());
+  for (int64_t j = j0; j < b; j += 8) {
+    const __m256 e = _mm256_and_ps(live(j), exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift)));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  _mm256_store_ps(l, sum);
+  float total = 0.f;
+  for (float x : l) total += x;
+  return 1.f / total;
+}
+
+template <typename C>
+inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const C* V, int64_t d, int64_t group, float* o,
+                            bool add) {
+  weighted_outputs8(w, ldw, n, V, d, group, o, 0, add);
+}
+#endif
+
+#if MT_ISA == MT_AVX512 || MT_ISA == MT_AVX2
+// Flattened: every part inlined. GCC left weighted_rows16<4, 4> out of line once the outputs went through
+// prefill_outputs, and the kernel ran 1.5x slower (2048 tokens 36.8-38.3 -> 55.6-59.9 ms).
+template <typename C>
+__attribute__((flatten)) void prefill_rows(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t k0, const void* Vv, int64_t group,
                   int64_t d, int64_t m, int64_t p0, int64_t window, float sc, float* o, float* w) {
   const C* V = static_cast<const C*>(Vv);
   const int64_t lo = window > 0 ? std::max(k0, p0 + 1 - window) : k0, n = p0 + m - lo;
   const int64_t lds = (n + 31) / 32 * 32, rows = m * group;
   float* inv = w + rows * lds;
-  const float* qr[8];
+  const float* qr[kScoreRows];
   auto row = [&](int64_t r) { return q + (r / group) * ldq + (r % group) * d; };
   for (int64_t j = 0; j < lds; j += 32) {
     const float* kj = kt + (lo - k0) + j;
     int64_t r = 0;
-    for (; r + 8 <= rows; r += 8) {
-      for (int i = 0; i < 8; ++i) qr[i] = row(r + i);
-      scores32<8>(qr, kj, ldk, d, sc, w + r * lds + j, lds);
+    for (; r + kScoreRows <= rows; r += kScoreRows) {
+      for (int i = 0; i < kScoreRows; ++i) qr[i] = row(r + i);
+      scores32<kScoreRows>(qr, kj, ldk, d, sc, w + r * lds + j, lds);
     }
     for (; r < rows; ++r) {
       qr[0] = row(r);
       scores32<1>(qr, kj, ldk, d, sc, w + r * lds + j, lds);
     }
   }
-  // Each row's softmax over its own keys [a, b), zeros before a (read by the outputs; nothing past b is), 16
-  // lanes at a time: exp_shifted's scalar tail (a row of 1 .. 128 keys: 7.5 of them on average) was a third
-  // of a 128-token prompt's attention on one thread, 181 of 578 us.
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {  // each row's softmax over its own keys
     const int64_t pos = p0 + r / group;
-    const int64_t a = window > 0 ? std::max(lo, pos + 1 - window) - lo : 0, b = pos + 1 - lo;
-    float* s = w + r * lds;
-    auto live = [&](int64_t j) {  // lanes j .. j + 15 within [a, b)
-      const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j)));
-      return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(a))) &
-                                    _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(b))));
-    };
-    const int64_t j0 = a / 16 * 16;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = j0; j < b; j += 16) mx = _mm512_mask_max_ps(mx, live(j), mx, _mm512_loadu_ps(s + j));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < j0; j += 16) _mm512_storeu_ps(s + j, _mm512_setzero_ps());
-    for (int64_t j = j0; j < b; j += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(live(j), exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift)));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    const int64_t a = window > 0 ? std::max(lo, pos + 1 - window) - lo : 0;
+    inv[r] = softmax_span(w + r * lds, a, pos + 1 - lo);
   }
   // The outputs, 32 keys at a time (their values stay in L1 while every token's rows pass over them), each token
   // up to its own key, then scaled by 1 / sum. A token at a time over all its keys (a row of V from L2 for 4
-  // heads' 16 FMAs) measured slower, in the same hour: the 128-token prompt 207 against 262 us, 2048 tokens 35073
-  // against 53605.
+  // heads' 16 FMAs) measured slower on AVX-512, in the same hour: the 128-token prompt 207 against 262 us, 2048
+  // tokens 35073 against 53605.
   const C* Vlo = V + lo * d;
   for (int64_t j0 = 0; j0 < n; j0 += 32)
     for (int64_t t = 0; t < m; ++t) {
       const int64_t nj = std::min<int64_t>(32, p0 + t + 1 - lo - j0);
-      if (nj > 0)
-        weighted_outputs16(w + t * group * lds + j0, lds, nj, Vlo + j0 * d, d, group, nullptr, o + t * ldq, 0, j0 > 0);
+      if (nj > 0) prefill_outputs(w + t * group * lds + j0, lds, nj, Vlo + j0 * d, d, group, o + t * ldq, j0 > 0);
     }
   for (int64_t t = 0; t < m; ++t)
     for (int64_t h = 0; h < group; ++h) {
       float* oh = o + t * ldq + h * d;
-      const __m512 r = _mm512_set1_ps(inv[t * group + h]);
-      for (int64_t c = 0; c < d; c += 16) {
-        const __mmask16 k = d - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (d - c)) - 1);
-        _mm512_mask_storeu_ps(oh + c, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, oh + c), r));
-      }
+      const float r = inv[t * group + h];
+      for (int64_t c = 0; c < d; ++c) oh[c] *= r;
     }
 }
 
-PrefillKernel prefill(int64_t d, bool bf16) {
+PrefillKernel prefill(int64_t d, bool bf16) {  // both kernels take 8 lanes at a time at least
   if (d % 8) return nullptr;
   return bf16 ? &prefill_rows<uint16_t> : &prefill_rows<float>;
 }

@@ -53,6 +53,12 @@ def test_doctor_reports_this_machine(require_component):
         assert ranges[0][1] in line and ("tokens" in line)
     assert k["dispatch_summary"].startswith(k["isa"])
     assert any(line.startswith("paths     ") for line in text)
+    att = d["attention"]
+    assert att == kernels.attention_kernels()
+    if "avx2" in d["runnable"]:  # a vector variant: its own attention kernels, named on the attention line
+        assert att["decode"] and att["prompts"]
+        assert (f"attention decode on the {att['decode']} kernel; prompts on the {att['prompts']} kernel (blocks of "
+                "16 tokens)") in "\n".join(text)
     flags = cpu_flags()
     assert report["cpu"]["isa"] == {f: f in flags for f in ISA_FLAGS}
     for name in ("bfloat16", "float16"):

@@ -424,9 +424,9 @@ def _causal_reference(q, kc, vc, slot, past, window, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 24, 12])
 def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
-    """A prompt's tokens against the cache up to each one's position, on every variant this CPU runs (AVX-512:
-    blocks of 16 tokens of a KV head, 8 query rows x 32 keys of scores, 4 heads' outputs 32 keys at a time;
-    the others token by token as decode attends; a head size not a multiple of 8: the scalar loop): prompts
+    """A prompt's tokens against the cache up to each one's position, on every variant this CPU runs (AVX-512
+    and AVX2: blocks of 16 tokens of a KV head, scores of 8 or 6 query rows x 32 keys, the outputs 32 keys at a
+    time; scalar token by token as decode attends; a head size not a multiple of 8: the scalar loop): prompts
     of 1, 7, 16 and 45 tokens (a block, less, a block and a part), after 0, 5 or 70 cached positions, with
     and without a window (shorter than a block, longer than one), groups of 1, 3 and 4 query heads. The
     step's keys and values land in the cache as indexing would write them, nothing else moves."""
@@ -451,6 +451,22 @@ def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{tokens} {past} {window} {group}")
     finally:
         op.set_isa("auto")
+
+
+def test_every_vector_variant_has_its_attention_kernels():
+    """Which kernels serve attention on each variant, as the ops pick them (the variant's own, else its
+    fallbacks'): the vector variants' decode and prompt kernels for head sizes a multiple of 8, none on the
+    scalar variant or for other head sizes; the dispatch summary (what results record) names them."""
+    want = {"scalar": "", "avx2": "avx2", "avx_vnni": "avx2"}
+    for v in kernels.variants()["compiled"]:
+        serve = want.get(v, "avx512")
+        assert kernels.attention_kernels(64, v) == {"decode": serve, "prompts": serve}, v
+        assert kernels.attention_kernels(80, v) == {"decode": serve, "prompts": serve}, v
+        assert kernels.attention_kernels(12, v) == {"decode": "", "prompts": ""}, v
+    best = kernels.status()["isa"]
+    assert kernels.attention_kernels() == kernels.attention_kernels(64, best)
+    a = kernels.attention_kernels()
+    assert kernels.dispatch_summary().endswith(f"; attention {a['decode']}, prompts {a['prompts']}")
 
 
 def test_prefill_attention_refuses_what_does_not_fit():
