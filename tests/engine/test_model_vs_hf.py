@@ -151,17 +151,27 @@ def test_native_attention_of_prompts_matches_transformers(arch, overrides, ckpt,
     (prefill_attention, with decode_attention for the decode rows of a mixed step). The products are held
     to the fp32 path (weights widened in registers), so the logits stay within fp32 noise of transformers'
     fp32 run of the same weights: prompts prefilled together, a prompt joining decode rows, chunks after
-    cached positions, sliding windows."""
+    cached positions, sliding windows. On the default variant and, where it differs, the AVX2 one (its own
+    prompt kernel: what an AVX2-only CPU runs)."""
     from engine import kernels
 
     path = ckpt(arch, dtype="bfloat16", **overrides)
     model = reference(hf, path, torch.float32)
-    with kernels.forced_paths(bf16="f32"):
-        for steps in (mixed_batch, chunked_steps):
-            driver = open_engine(path, weight_dtype=torch.bfloat16)
-            assert driver.decoder.native
-            steps(driver)
-            assert_matches(hf, driver, model, FP32_TOL)
+    isas = [kernels.status()["isa"]]
+    if "avx2" in kernels.variants()["runnable"] and kernels.attention_kernels()["prompts"] != "avx2":
+        isas.append("avx2")
+    try:
+        for isa in isas:
+            kernels.ops().set_isa(isa)
+            assert kernels.ops().isa() == isa
+            with kernels.forced_paths(bf16="f32"):
+                for steps in (mixed_batch, chunked_steps):
+                    driver = open_engine(path, weight_dtype=torch.bfloat16)
+                    assert driver.decoder.native
+                    steps(driver)
+                    assert_matches(hf, driver, model, FP32_TOL)
+    finally:
+        kernels.ops().set_isa("auto")
 
 
 def odd_sizes(arch: str) -> dict[str, Any]:
