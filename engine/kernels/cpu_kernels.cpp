@@ -194,7 +194,8 @@ struct Prepared {
 // 0.7 ms of a 128-token prefill layer's 11.5 on the AMX Xeon), else memory of its own, freed with it. A
 // thread keeps at most kKeepBytes a slot; one call uses each slot once on each thread.
 enum ScratchSlot : int {
-  kPackedTokens, kPackedActs, kActivations, kSlotOutputs, kGateRows, kUpRows, kAttendWeights, kAttendKeys, kScratchSlots
+  kPackedTokens, kPackedActs, kActivations, kSlotOutputs, kGateRows, kUpRows, kAttendWeights, kAttendKeys,
+  kAttendValues, kScratchSlots
 };
 constexpr size_t kKeepBytes = size_t{32} << 20;
 
@@ -476,9 +477,9 @@ inline void store_act(float* g, const float* u, int64_t r0, int64_t rows, int64_
 using AttendKernel = void (*)(const float*, const void*, const void*, int64_t, int64_t, int64_t, int64_t, float,
                               float*, float*);
 // One block of query tokens of one KV head of prefill attention (prefill_attention_impl), as a variant
-// compiles it: queries (row stride), transposed keys (stride, first position), values, group, d, tokens, first
-// token's position, window, scale, out, scratch.
-using PrefillKernel = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const void*, int64_t, int64_t,
+// compiles it: queries (row stride), transposed keys (stride, first position k0), fp32 values from position k0
+// on, group, d, tokens, first token's position, window, scale, out, scratch.
+using PrefillKernel = void (*)(const float*, int64_t, const float*, int64_t, int64_t, const float*, int64_t, int64_t,
                                int64_t, int64_t, int64_t, float, float*, float*);
 
 #define MOETUNE_VARIANT_BODY 1
@@ -592,7 +593,7 @@ const CpuFeatures& cpu() {
 using LinearFn = bool (*)(Kind, const Mat&, int64_t, int64_t, int64_t, const Act*, int64_t, const float*, float*);
 using MoeFn = bool (*)(Kind, const MoeJob&, float*);
 using AttendFn = AttendKernel (*)(int64_t d, bool bf16);  // nullptr: no kernel for that head size
-using PrefillFn = PrefillKernel (*)(int64_t d, bool bf16);  // nullptr: no kernel for that head size
+using PrefillFn = PrefillKernel (*)(int64_t d);  // nullptr: no kernel for that head size
 
 struct Variant {
   const char* name;
@@ -1592,7 +1593,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
   const int64_t T = q.size(0), Hq = q.size(1), d = q.size(2), KV = kc.size(1), L = kc.size(2), group = Hq / KV;
   PrefillKernel kernel = nullptr;
   for (int v = default_variant(); v >= 0 && !kernel; v = all_variants()[v].fallback)
-    kernel = all_variants()[v].prefill(d, !std::is_same_v<C, float>);
+    kernel = all_variants()[v].prefill(d);
   if (!kernel) {
     decode_attention_impl<C>(q, kc, vc, slots.data(), lens.data(), window, sc, out);
     return;
@@ -1602,8 +1603,12 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
   const int64_t k0 = window > 0 ? std::max<int64_t>(0, past + 1 - window) : 0, n = past + T - k0;
   const int64_t ld = (n + 31 + 15) / 16 * 16;
   const Scratch<float> kt(kAttendKeys, KV * d * ld);
+  // The kernel reads fp32 values: a bf16 cache's [k0, past + T) widened once per KV head, where every token's
+  // outputs widened them again (AVX2, 128 tokens: 354-367 against 305-317 us from an fp32 cache).
+  constexpr bool widen = !std::is_same_v<C, float>;
+  const Scratch<float> vw(kAttendValues, widen ? KV * n * d : 0);
   const C* kp = static_cast<const C*>(kc.data_ptr()) + slot * KV * L * d;
-  const char* vp = static_cast<const char*>(vc.data_ptr()) + slot * KV * L * d * static_cast<int64_t>(sizeof(C));
+  const C* vp = static_cast<const C*>(vc.data_ptr()) + slot * KV * L * d;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = (T + kPrefillTokens - 1) / kPrefillTokens, items = KV * blocks;
@@ -1617,6 +1622,11 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
       for (int64_t j = 0; j < n; ++j)
         for (int64_t c = 0; c < d; ++c) t[c * ld + j] = cache_at(K, j * d + c);
       for (int64_t c = 0; c < d; ++c) std::fill(t + c * ld + n, t + (c + 1) * ld, 0.f);
+      if constexpr (widen) {
+        const C* V = vp + (g * L + k0) * d;
+        float* vg = vw.data() + g * n * d;
+        for (int64_t i = 0; i < n * d; ++i) vg[i] = cache_at(V, i);
+      }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {  // the last tokens' blocks (the most keys) first
@@ -1624,8 +1634,8 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at:
       const int64_t m = std::min(kPrefillTokens, T - t0), p0 = past + t0;
       const int64_t lo = window > 0 ? std::max(k0, p0 + 1 - window) : k0, keys = p0 + m - lo;
       const Scratch<float> w(kAttendWeights, m * group * ((keys + 31) / 32 * 32 + 1));
-      kernel(qp + (t0 * Hq + g * group) * d, Hq * d, kt.data() + g * d * ld, ld, k0,
-             vp + g * L * d * static_cast<int64_t>(sizeof(C)), group, d, m, p0, window, sc,
+      const float* V = widen ? vw.data() + g * n * d : reinterpret_cast<const float*>(vp + (g * L + k0) * d);
+      kernel(qp + (t0 * Hq + g * group) * d, Hq * d, kt.data() + g * d * ld, ld, k0, V, group, d, m, p0, window, sc,
              op + (t0 * Hq + g * group) * d, w.data());
     }
   }
@@ -2019,7 +2029,7 @@ std::vector<std::string> attention_kernels(int64_t d, const std::string& variant
   for (int v = start; v >= 0 && out[0].empty(); v = all_variants()[v].fallback)
     if (all_variants()[v].attend(d, false)) out[0] = all_variants()[v].name;
   for (int v = start; v >= 0 && out[1].empty(); v = all_variants()[v].fallback)
-    if (all_variants()[v].prefill(d, false)) out[1] = all_variants()[v].name;
+    if (all_variants()[v].prefill(d)) out[1] = all_variants()[v].name;
   return out;
 }
 
@@ -3263,8 +3273,9 @@ AttendKernel attend(int64_t, bool) { return nullptr; }
 // ---- prefill attention: one item of prefill_attention, a block of m query tokens (positions p0 .. p0 + m - 1,
 // q's rows ldq apart, the group's heads d apart in a row) of one KV head against its keys, transposed (kt:
 // kt[c * ldk + j] = dimension c of the key at position k0 + j, zeros past the segment's last key) and its
-// values V (fp32, or bf16 widened exactly), each token's keys up to its own position (and from `window`
-// back), into o (laid out as q); w: scratch of m * group * (round_up(n, 32) + 1) floats, n = the item's keys.
+// values V (fp32, from position k0 on: a bf16 cache's widened once), each token's keys up to its own position
+// (and from `window` back), into o (laid out as q); w: scratch of m * group * (round_up(n, 32) + 1) floats, n =
+// the item's keys.
 // Attending token by token as decode does (each row's dot products reduced by lane_sums16) ran a 128-token
 // prompt of the medium preset (16 heads, 4 KV heads, d = 64) in 362 us a layer against PyTorch's flash
 // kernel's 461 (2 threads, AMX Xeon): the scores here are 8 query rows x 32 keys of register accumulators, a
@@ -3325,8 +3336,7 @@ inline float softmax_span(float* s, int64_t a, int64_t b) {
 }
 
 // One token's outputs o [group, d] summed on over n more rows of V (weights w, head h's at w + h * ldw).
-template <typename C>
-inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const C* V, int64_t d, int64_t group, float* o,
+inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const float* V, int64_t d, int64_t group, float* o,
                             bool add) {
   weighted_outputs16(w, ldw, n, V, d, group, nullptr, o, 0, add);
 }
@@ -3391,8 +3401,7 @@ inline float softmax_span(float* s, int64_t a, int64_t b) {
   return 1.f / total;
 }
 
-template <typename C>
-inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const C* V, int64_t d, int64_t group, float* o,
+inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const float* V, int64_t d, int64_t group, float* o,
                             bool add) {
   weighted_outputs8(w, ldw, n, V, d, group, o, 0, add);
 }
@@ -3401,10 +3410,9 @@ inline void prefill_outputs(const float* w, int64_t ldw, int64_t n, const C* V, 
 #if MT_ISA == MT_AVX512 || MT_ISA == MT_AVX2
 // Flattened: every part inlined. GCC left weighted_rows16<4, 4> out of line once the outputs went through
 // prefill_outputs, and the kernel ran 1.5x slower (2048 tokens 36.8-38.3 -> 55.6-59.9 ms).
-template <typename C>
-__attribute__((flatten)) void prefill_rows(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t k0, const void* Vv, int64_t group,
-                  int64_t d, int64_t m, int64_t p0, int64_t window, float sc, float* o, float* w) {
-  const C* V = static_cast<const C*>(Vv);
+__attribute__((flatten)) void prefill_rows(const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t k0,
+                                          const float* V, int64_t group, int64_t d, int64_t m, int64_t p0,
+                                          int64_t window, float sc, float* o, float* w) {
   const int64_t lo = window > 0 ? std::max(k0, p0 + 1 - window) : k0, n = p0 + m - lo;
   const int64_t lds = (n + 31) / 32 * 32, rows = m * group;
   float* inv = w + rows * lds;
@@ -3431,7 +3439,7 @@ __attribute__((flatten)) void prefill_rows(const float* q, int64_t ldq, const fl
   // up to its own key, then scaled by 1 / sum. A token at a time over all its keys (a row of V from L2 for 4
   // heads' 16 FMAs) measured slower on AVX-512, in the same hour: the 128-token prompt 207 against 262 us, 2048
   // tokens 35073 against 53605.
-  const C* Vlo = V + lo * d;
+  const float* Vlo = V + (lo - k0) * d;
   for (int64_t j0 = 0; j0 < n; j0 += 32)
     for (int64_t t = 0; t < m; ++t) {
       const int64_t nj = std::min<int64_t>(32, p0 + t + 1 - lo - j0);
@@ -3445,12 +3453,9 @@ __attribute__((flatten)) void prefill_rows(const float* q, int64_t ldq, const fl
     }
 }
 
-PrefillKernel prefill(int64_t d, bool bf16) {  // both kernels take 8 lanes at a time at least
-  if (d % 8) return nullptr;
-  return bf16 ? &prefill_rows<uint16_t> : &prefill_rows<float>;
-}
+PrefillKernel prefill(int64_t d) { return d % 8 ? nullptr : &prefill_rows; }  // 8 lanes at a time at least
 #else
-PrefillKernel prefill(int64_t, bool) { return nullptr; }
+PrefillKernel prefill(int64_t) { return nullptr; }
 #endif
 
 #if MT_ISA == MT_AMX
