@@ -204,8 +204,8 @@ def cpu_features() -> list[str]:
 
 
 def attention_kernels(head_dim: int = 64, variant: str = "") -> dict[str, str]:
-    """The variants whose kernels serve attention for ``head_dim`` on ``variant`` (default: the chosen one),
-    following its fallbacks as the ops do: ``decode`` (decode_attention) and ``prompts`` (prefill_attention,
+    """The variants whose kernels serve attention for ``head_dim`` on ``variant`` (default: the chosen one; any
+    compiled one, runnable here or not), following its fallbacks as the ops do: ``decode`` (decode_attention) and ``prompts`` (prefill_attention,
     blocks of 16 tokens of a KV head), each "" where no variant has one (decode: a scalar loop; prompts: token
     by token as decode attends). Every vector variant has both for head sizes that are a multiple of 8."""
     decode, prompts = ops().attention_kernels(head_dim, variant)

@@ -454,10 +454,13 @@ def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
 
 
 def test_every_vector_variant_has_its_attention_kernels():
-    """Which kernels serve attention on each variant, as the ops pick them (the variant's own, else its
-    fallbacks'): the vector variants' decode and prompt kernels for head sizes a multiple of 8, none on the
-    scalar variant or for other head sizes; the dispatch summary (what results record) names them."""
+    """Which kernels serve attention on each compiled variant, runnable here or not, as the ops pick them (the
+    variant's own, else its fallbacks'): the vector variants' decode and prompt kernels for head sizes a
+    multiple of 8, none on the scalar variant or for other head sizes; the dispatch summary (what results
+    record) names them."""
     want = {"scalar": "", "avx2": "avx2", "avx_vnni": "avx2"}
+    with pytest.raises(RuntimeError, match="unknown ISA variant 'avx9000'"):
+        kernels.attention_kernels(64, "avx9000")
     for v in kernels.variants()["compiled"]:
         serve = want.get(v, "avx512")
         assert kernels.attention_kernels(64, v) == {"decode": serve, "prompts": serve}, v
