@@ -366,6 +366,17 @@ def forced_paths(**by_precision: str) -> Iterator[None]:
         _forced.update(before)
 
 
+@contextmanager
+def on_variant(name: str) -> Iterator[None]:
+    """Make ISA variant ``name`` the default (every op's kernels, attention's included, and the paths without
+    a variant) for the block, then the best one this CPU runs again (tests; comparisons of variants)."""
+    ops().set_isa(name)
+    try:
+        yield
+    finally:
+        ops().set_isa("auto")
+
+
 def prepare() -> dict[str, dict[str, object]]:
     """The path table for this machine, software and thread count: measured once (a few seconds) and
     cached by :func:`engine.calibrate.kernel_paths`; the engine calls this when it loads a model."""

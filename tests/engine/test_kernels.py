@@ -388,8 +388,7 @@ def test_decode_attention_matches_softmax_at_every_head_size(variant, head_dim, 
         return
     g = torch.Generator().manual_seed(head_dim)
     op = _ops()
-    try:
-        op.set_isa(variant)
+    with kernels.on_variant(variant):
         for group in (1, 4, 6):
             for window in (0, 7):
                 kc = torch.randn(3, 2, 300, head_dim, generator=g).to(dtype)
@@ -403,8 +402,6 @@ def test_decode_attention_matches_softmax_at_every_head_size(variant, head_dim, 
                     v = vc[slots[b], :, lo: lens[b]].float().repeat_interleave(group, dim=0)
                     ref = torch.softmax(q[b][:, None, :] @ k.transpose(1, 2) * 0.3, dim=-1) @ v
                     torch.testing.assert_close(got[b], ref[:, 0], rtol=1e-5, atol=1e-5)
-    finally:
-        op.set_isa("auto")
 
 
 def _causal_reference(q, kc, vc, slot, past, window, scale):
@@ -434,8 +431,7 @@ def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
         return
     g = torch.Generator().manual_seed(head_dim)
     op = _ops()
-    try:
-        op.set_isa(variant)
+    with kernels.on_variant(variant):
         for tokens, past, window, group in [(1, 0, 0, 1), (7, 5, 0, 3), (16, 0, 0, 4), (45, 70, 0, 4),
                                             (45, 0, 5, 3), (16, 70, 20, 1), (45, 5, 40, 4)]:
             kc = torch.randn(3, 2, 128, head_dim, generator=g).to(dtype)
@@ -449,8 +445,6 @@ def test_prefill_attention_matches_causal_softmax(variant, head_dim, dtype):
             assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
             want = _causal_reference(q, ref_k, ref_v, 1, past, window, 0.3)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{tokens} {past} {window} {group}")
-    finally:
-        op.set_isa("auto")
 
 
 def test_every_vector_variant_has_its_attention_kernels():
@@ -1175,12 +1169,9 @@ def test_set_isa_switches_the_default_and_refuses_what_the_cpu_lacks():
     op = _ops()
     best = op.isa()
     x, w = torch.randn(3, 40), torch.randn(9, 40).bfloat16()
-    try:
-        op.set_isa("scalar")
+    with kernels.on_variant("scalar"):
         assert op.isa() == "scalar"
         _close(op.linear(x, w, None), x @ w.float().t())
-    finally:
-        op.set_isa("auto")
     assert op.isa() == best
     with pytest.raises(RuntimeError, match="unknown ISA variant 'avx9000'"):
         op.set_isa("avx9000")

@@ -160,18 +160,14 @@ def test_native_attention_of_prompts_matches_transformers(arch, overrides, ckpt,
     isas = [kernels.status()["isa"]]
     if "avx2" in kernels.variants()["runnable"] and kernels.attention_kernels()["prompts"] != "avx2":
         isas.append("avx2")
-    try:
-        for isa in isas:
-            kernels.ops().set_isa(isa)
+    for isa in isas:
+        with kernels.on_variant(isa), kernels.forced_paths(bf16="f32"):
             assert kernels.ops().isa() == isa
-            with kernels.forced_paths(bf16="f32"):
-                for steps in (mixed_batch, chunked_steps):
-                    driver = open_engine(path, weight_dtype=torch.bfloat16)
-                    assert driver.decoder.native
-                    steps(driver)
-                    assert_matches(hf, driver, model, FP32_TOL)
-    finally:
-        kernels.ops().set_isa("auto")
+            for steps in (mixed_batch, chunked_steps):
+                driver = open_engine(path, weight_dtype=torch.bfloat16)
+                assert driver.decoder.native
+                steps(driver)
+                assert_matches(hf, driver, model, FP32_TOL)
 
 
 def odd_sizes(arch: str) -> dict[str, Any]:
