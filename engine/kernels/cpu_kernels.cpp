@@ -81,10 +81,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -1963,17 +1967,22 @@ struct DecodeStack : torch::CustomClassHolder {
       at::Tensor y = buf.y;
       if (l.router.defined()) {
         const int64_t E = l.router.size(0);
-        const float* logits;
-        at::Tensor wide;  // PyTorch's GEMM's logits, from router_torch_from tokens
         if (T < router_torch_from) {
           run_product(l.route, buf.h.data_ptr<float>(), T, acts, buf.logits.data_ptr<float>());
-          logits = buf.logits.data_ptr<float>();
+          clock.mark(kRouter);
+          route_into(buf.logits.data_ptr<float>(), T, E, top_k, renorm, buf.gates.data_ptr<float>(),
+                     buf.ids.data_ptr<int64_t>());
         } else {
-          wide = at::linear(buf.h, l.router).contiguous();
-          logits = wide.data_ptr<float>();
+          // From router_torch_from tokens the per-op path routes on PyTorch (GEMM, softmax, top-k,
+          // renormalisation): the same ATen ops here give its bits on every CPU (the native softmax's
+          // exp and sums differ from ATen's vectorised ones by an ulp on some, e.g. an AVX2 EPYC).
+          const at::Tensor logits = at::linear(buf.h, l.router);
+          clock.mark(kRouter);
+          auto [w, ids] = at::topk(at::softmax(logits, -1, at::kFloat), top_k, -1);
+          if (renorm) w = at::div(w, at::sum(w, -1, true));
+          buf.gates.view({T, top_k}).copy_(w);
+          buf.ids.view({T, top_k}).copy_(ids);
         }
-        clock.mark(kRouter);
-        route_into(logits, T, E, top_k, renorm, buf.gates.data_ptr<float>(), buf.ids.data_ptr<int64_t>());
         clock.mark(kRoute);
         if (l.experts.w13.empty()) y.zero_();
         else
