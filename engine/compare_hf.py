@@ -8,6 +8,9 @@ cache directory: :mod:`engine.llama_cpp`):
 * ``engine_torch``: PyTorch's products only (``cpu_kernels=torch``: weights widened to the compute dtype);
 * ``engine_checkpoint``: PyTorch's products in the checkpoint's dtype (``compute_dtype=checkpoint``);
 * ``engine_int8`` / ``engine_int4``: experts in int8 / int4 (group 128), the rest as ``engine``;
+* ``engine_int8_a8``: int8 experts meeting activations quantized per block of 32 (``int8_activations=int8``:
+  llama.cpp's q8_0 arithmetic, where ``engine_int8`` keeps fp32 activations; its quality cost is
+  ``engine eval``'s to measure);
 * ``engine_q8``: every matrix in int8 (experts, and the dense ones: ``dense_precision=int8``), as llama.cpp's
   q8_0 stores them;
 * ``llama_bf16`` / ``llama_q8_0`` / ``llama_q4_0``: llama.cpp through llama-cpp-python (an optional
@@ -57,12 +60,13 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine_torch": {"cpu_kernels": "torch"},
     "engine_checkpoint": {"compute_dtype": "checkpoint"},
     "engine_int8": {"hi_precision": "int8"},
+    "engine_int8_a8": {"hi_precision": "int8", "int8_activations": "int8"},
     "engine_int4": {"hi_precision": "int4", "int4_group_size": 128},
     "engine_q8": {"hi_precision": "int8", "dense_precision": "int8"},
 }
 LLAMA_SYSTEMS = {"llama_bf16": "bf16", "llama_q8_0": "q8_0", "llama_q4_0": "q4_0"}
 SYSTEMS = ("transformers", *ENGINE_SYSTEMS, *LLAMA_SYSTEMS)
-DEFAULT_SYSTEMS = ("transformers", "engine", "engine_torch", "engine_int8", "engine_q8", "engine_int4",
+DEFAULT_SYSTEMS = ("transformers", "engine", "engine_torch", "engine_int8", "engine_int8_a8", "engine_q8", "engine_int4",
                    *LLAMA_SYSTEMS)
 
 
@@ -152,6 +156,7 @@ class _System:
                     "weight_dtype": str(e.weight_dtype).replace("torch.", ""),
                     "experts": e.model.hybrid.hi if e.model.hybrid is not None else
                     str(e.weight_dtype).replace("torch.", ""),
+                    "int8_activations": e.config.experts.int8_activations,
                     "kv_dtype": str(e.cache.dtype).replace("torch.", ""), "dense": e.model.dense_precision,
                     "cpu_kernels": e.kernels_label, "openmp_waits": omp_wait_policy(), "huge_pages": huge_pages()}
         if self.hf is not None:
@@ -328,6 +333,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             1.25)
         add("int8 experts b=1: x llama.cpp q8_0", _ratio(r, "engine_int8_decode_tokens_per_s",
                                                          "llama_q8_0_decode_tokens_per_s"), 1.2)
+        add("int8 experts, int8 activations b=1: x llama.cpp q8_0",
+            _ratio(r, "engine_int8_a8_decode_tokens_per_s", "llama_q8_0_decode_tokens_per_s"), 1.2)
         add("int8 weights (experts and dense) b=1: x llama.cpp q8_0",
             _ratio(r, "engine_q8_decode_tokens_per_s", "llama_q8_0_decode_tokens_per_s"), 1.2)
         add("int4 experts b=1: x int8 experts", _ratio(r, "engine_int4_decode_tokens_per_s",
