@@ -665,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=0, help="threads for every system (0 = PyTorch's default)")
     c.add_argument("--systems", default="default",
                    help="comma-separated subset of transformers, engine, engine_torch, engine_checkpoint, "
-                        "engine_int8, engine_int8_a8, engine_q8, engine_int4, llama_bf16, llama_q8_0, llama_q4_0 "
+                        "engine_int8, engine_int8_a32, engine_int8_a16, engine_int8_a8, engine_q8, engine_int4, "
+                        "llama_bf16, llama_q8_0, llama_q4_0 "
                         "(llama_* need llama-cpp-python); default: all but engine_checkpoint")
     c.add_argument("--staggered", type=int, default=32, help="requests in the staggered-arrivals comparison (0=skip)")
     c.add_argument("--json", action="store_true")

@@ -7,10 +7,12 @@ cache directory: :mod:`engine.llama_cpp`):
 * ``engine``: the engine's defaults (on a CPU: the native kernels read the stored bf16/fp16 weights);
 * ``engine_torch``: PyTorch's products only (``cpu_kernels=torch``: weights widened to the compute dtype);
 * ``engine_checkpoint``: PyTorch's products in the checkpoint's dtype (``compute_dtype=checkpoint``);
-* ``engine_int8`` / ``engine_int4``: experts in int8 / int4 (group 128), the rest as ``engine``;
-* ``engine_int8_a8``: int8 experts meeting activations quantized per block of 32 (``int8_activations=int8``:
-  llama.cpp's q8_0 arithmetic, where ``engine_int8`` keeps fp32 activations; its quality cost is
-  ``engine eval``'s to measure);
+* ``engine_int8`` / ``engine_int4``: experts in int8 / int4 (group 128), the rest as ``engine`` (int8 experts
+  meet the activations as ``int8_activations=auto`` has it: the faster here of fp32 and int16);
+* ``engine_int8_a32`` / ``engine_int8_a16``: int8 experts meeting fp32 activations (``int8_activations=fp32``) /
+  activations quantized per block of 32 to int16 (``int16``: int16 dot products, fp32's quality to 4 digits);
+* ``engine_int8_a8``: int8 experts meeting activations quantized per block of 32 to int8 (``int8_activations=int8``:
+  llama.cpp's q8_0 arithmetic; its quality cost is ``engine eval``'s to measure);
 * ``engine_q8``: every matrix in int8 (experts, and the dense ones: ``dense_precision=int8``), as llama.cpp's
   q8_0 stores them;
 * ``llama_bf16`` / ``llama_q8_0`` / ``llama_q4_0``: llama.cpp through llama-cpp-python (an optional
@@ -61,6 +63,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {
     "engine_checkpoint": {"compute_dtype": "checkpoint"},
     "engine_int8": {"hi_precision": "int8"},
     "engine_int8_a8": {"hi_precision": "int8", "int8_activations": "int8"},
+    "engine_int8_a16": {"hi_precision": "int8", "int8_activations": "int16"},
+    "engine_int8_a32": {"hi_precision": "int8", "int8_activations": "fp32"},
     "engine_int4": {"hi_precision": "int4", "int4_group_size": 128},
     "engine_q8": {"hi_precision": "int8", "dense_precision": "int8"},
 }
@@ -333,6 +337,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             1.25)
         add("int8 experts b=1: x llama.cpp q8_0", _ratio(r, "engine_int8_decode_tokens_per_s",
                                                          "llama_q8_0_decode_tokens_per_s"), 1.2)
+        add("int8 experts, int16 activations b=1: x llama.cpp q8_0",
+            _ratio(r, "engine_int8_a16_decode_tokens_per_s", "llama_q8_0_decode_tokens_per_s"), 1.2)
         add("int8 experts, int8 activations b=1: x llama.cpp q8_0",
             _ratio(r, "engine_int8_a8_decode_tokens_per_s", "llama_q8_0_decode_tokens_per_s"), 1.2)
         add("int8 weights (experts and dense) b=1: x llama.cpp q8_0",

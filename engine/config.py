@@ -199,11 +199,13 @@ class ResidencyConfig:
         "none", "Precision of a low-precision fallback copy kept resident where the budget allows (DynaExq).",
         search=Search(choices=("none", "int8", "int4")),
         when={**_HOT, "hi_precision": ("auto", "fp32", "bf16", "fp16", "int8")})  # no copy narrower than int4
-    int8_activations: Literal["fp32", "int8"] = knob(
-        "fp32", "How int8 experts meet the activations on the CPU kernels: fp32 = as they are (the int8 weights "
-        "widened in registers: the quality of the weights alone); int8 = quantized per token in blocks of 32, as "
-        "llama.cpp's q8_0 does (integer dot products: faster where products are compute-bound, at a quality "
-        "cost that `engine eval` measures).", search=Search(), when={"hi_precision": ("int8",)}, needs="cpu",
+    int8_activations: Literal["auto", "fp32", "int16", "int8"] = knob(
+        "auto", "How int8 experts meet the activations on the CPU kernels: fp32 = as they are (the int8 weights "
+        "widened in registers: the quality of the weights alone); int16 = quantized per token in blocks of 32 to "
+        "int16 (integer dot products on the weights sign-extended in registers: fp32's quality to 4 digits, "
+        "faster where widening int8 to fp32 bounds a product); auto = the faster of fp32 and int16 as measured "
+        "on this machine; int8 = quantized per token in blocks of 32, as llama.cpp's q8_0 does (integer dot "
+        "products: faster where products are compute-bound, at a quality cost that `engine eval` measures).", search=Search(), when={"hi_precision": ("int8",)}, needs="cpu",
         executor=False)
     int4_group_size: int = knob(
         128, "Group size (input channels per scale) of int4 weights, a power of two; must divide hidden and "

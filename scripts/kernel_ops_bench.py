@@ -1,7 +1,7 @@
 """Read bandwidth of the native kernels' products at a few tokens (decode), for A/B between builds.
 
     python scripts/kernel_ops_bench.py [--lib A.so --lib B.so] [--precision bf16|int8|int4] [--group 128]
-                                       [--mode f32|q8|bf16dp|tile] [--threads 2] [--tokens 1] [--rounds 5]
+                                       [--mode f32|q8|q16|bf16dp|tile] [--threads 2] [--tokens 1] [--rounds 5]
 
 Each library (default: the one this tree builds, `engine.kernels.load()`) is measured in its own process,
 the processes interleaved A B A B ... so that the shared machine's drift hits them alike. A process times
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--precision", choices=("bf16", "int8", "int4"), default="bf16",
                    help="the weights' precision: bf16 in the fp32 mode, int8 or int4 in the q8 mode")
     p.add_argument("--group", type=int, default=128, help="int4 group size")
-    p.add_argument("--mode", choices=("f32", "q8", "bf16dp", "tile"), help="arithmetic mode (default: f32 for bf16, "
+    p.add_argument("--mode", choices=("f32", "q8", "q16", "bf16dp", "tile"), help="arithmetic mode (default: f32 for bf16, "
                    "else q8)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(ROW, action="store_true", help=argparse.SUPPRESS)

@@ -224,7 +224,8 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
     """Every path a product of ``precision`` weights can take on a CPU running ``runnable`` variants.
 
     Native paths are ``"variant:mode"`` (modes: ``f32`` fp32 products of weights widened in registers;
-    ``q8`` int8 dot products of activations quantized per block of 32; ``bf16dp`` vdpbf16ps on
+    ``q8`` int8 dot products of activations quantized per block of 32; ``q16`` int16 dot products (int8
+    weights sign-extended in registers) of activations quantized per block of 32 to int16; ``bf16dp`` vdpbf16ps on
     activations rounded to bf16; ``tile`` AMX tiles on activations rounded to bf16, the weights read as
     stored). PyTorch's: ``torch:widen`` (its fp32 GEMM on a copy of the weight
     widened per call), ``torch:bf16`` (oneDNN's bf16 products: only where the CPU multiplies bf16 natively,
@@ -234,6 +235,7 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
     """
     f32 = [v for v in runnable if v in ("avx2", "avx512")] or ["scalar"]
     q8 = [v for v in runnable if v in ("avx2", "avx_vnni", "avx512", "avx512_vnni")] or ["scalar"]
+    q16 = [v for v in runnable if v in ("avx2", "avx512")] or ["scalar"]  # vpmaddwd: no VNNI instruction
     if precision == "bf16":
         return ([f"{v}:f32" for v in f32] + (["avx512_bf16:bf16dp"] if "avx512_bf16" in runnable else [])
                 + (["amx:tile"] if "amx" in runnable else []) + ["torch:widen"]
@@ -241,7 +243,7 @@ def candidate_paths(precision: str, runnable: list[str], amx: bool = False) -> l
     if precision == "fp16":
         return [f"{v}:f32" for v in f32] + ["torch:widen"]
     if precision == "int8":
-        return [f"{v}:f32" for v in f32] + [f"{v}:q8" for v in q8] + ["torch:quant"]
+        return [f"{v}:f32" for v in f32] + [f"{v}:q8" for v in q8] + [f"{v}:q16" for v in q16] + ["torch:quant"]
     if precision == "int4":
         return [f"{v}:q8" for v in q8] + ["torch:quant"]
     raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -251,6 +253,13 @@ def _boundaries(points: tuple[int, ...]) -> list[int]:
     """Largest token count served by each measured point: the geometric midpoints between points."""
     return [int(math.sqrt(a * b)) for a, b in zip(points, points[1:], strict=False)]
 
+
+#: experts.int8_activations -> the arithmetics int8 products may take, the faster measured
+#: (:func:`set_int8_activations`): ``auto`` the faster of the two that keep the activations to 15 bits or more.
+INT8_ACTIVATION_MODES: dict[str, tuple[str, ...]] = {
+    "auto": ("f32", "q16"), "fp32": ("f32",), "int16": ("q16",), "int8": ("q8",)}
+#: Arithmetics as close to fp32 activations as no PyTorch path that rounds them to bf16 is (torch:quant).
+NEAR_FP32 = ("f32", "q16")
 
 #: Native modes that compute alike: activations rounded to bf16, their exact products with the bf16 weights
 #: summed in fp32 (vdpbf16ps pairs; AMX tiles). They differ only in the order of the sums, as the f32 mode's
@@ -269,7 +278,7 @@ FP32_TORCH_PATHS = ("torch:widen",)
 
 
 def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[int, ...] = TOKEN_POINTS,
-                 modes: dict[str, str] | None = None) -> dict[str, dict[str, object]]:
+                 modes: dict[str, str | tuple[str, ...]] | None = None) -> dict[str, dict[str, object]]:
     """The path table from measured times (pure: no torch, no device). ``times_s[precision][path][str(T)]``
     is the best time of one product of ``T`` tokens.
 
@@ -282,8 +291,10 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
     all-native or all-PyTorch (the two read different layouts), decided at one token (decode).
     ``crossover_tokens``: from this token count on, PyTorch's GEMM is used (None: never).
     ``modes``: the arithmetic a precision must take (``{"int8": "f32"}``: fp32 activations on int8 weights,
-    :func:`set_int8_activations`), whatever is fastest; its PyTorch paths are then only those that keep the
-    fp32 activations (:data:`FP32_TORCH_PATHS`) where that arithmetic is ``f32``.
+    :func:`set_int8_activations`), whatever is fastest, or the arithmetics it may take (a tuple: the fastest of
+    them, as above); its PyTorch paths are then only those that keep the fp32 activations
+    (:data:`FP32_TORCH_PATHS`) where those arithmetics are :data:`NEAR_FP32` (int16 keeps more of each
+    activation than torch:quant's bf16 rounding).
     """
     bounds = _boundaries(points)
     table: dict[str, dict[str, object]] = {}
@@ -296,12 +307,12 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
             return sum(math.log(min(t[str(n)] for p, t in native.items() if arithmetic(p) == arith) / best[str(n)])
                        for n in points)
 
-        mode = min(sorted({arithmetic(p) for p in native}), key=slowdown)
+        have = sorted({arithmetic(p) for p in native})
         wanted = (modes or {}).get(prec)
-        if wanted is not None and any(arithmetic(p) == wanted for p in native):
-            mode = wanted
-            if wanted == "f32":
-                torch_paths = {p: t for p, t in torch_paths.items() if p in FP32_TORCH_PATHS}
+        allowed = [a for a in ((wanted,) if isinstance(wanted, str) else wanted or ()) if a in have]
+        mode = min(allowed or have, key=slowdown)
+        if allowed and all(a in NEAR_FP32 for a in allowed):  # no PyTorch path that rounds the activations to bf16
+            torch_paths = {p: t for p, t in torch_paths.items() if p in FP32_TORCH_PATHS}
         mine = {p: t for p, t in native.items() if arithmetic(p) == mode}
         native_best = [min(mine, key=lambda p, n=n: mine[p][str(n)]) for n in points]
         if prec == "int4":
@@ -329,25 +340,30 @@ def choose_paths(times_s: dict[str, dict[str, dict[str, float]]], points: tuple[
 
 
 _forced: dict[str, str] = {}
-#: The arithmetic int8 weights' products take (experts.int8_activations): "f32" (fp32 activations, the
-#: weights widened in registers) or "q8" (activations quantized per block of 32, llama.cpp's q8_0 arithmetic).
-_modes: dict[str, str] = {"int8": "f32"}
+#: The arithmetics int8 weights' products may take (experts.int8_activations), the faster measured: "f32"
+#: (fp32 activations, the weights widened in registers), "q16" (activations quantized per block of 32 to
+#: int16, int16 dot products) or "q8" (activations quantized per block of 32 to int8, llama.cpp's q8_0).
+_modes: dict[str, tuple[str, ...]] = {"int8": INT8_ACTIVATION_MODES["auto"]}
 
 
-def modes() -> dict[str, str]:
-    """The arithmetic a precision must take, whichever is fastest (``choose_paths(modes=)``)."""
+def modes() -> dict[str, tuple[str, ...]]:
+    """The arithmetics a precision may take, the fastest of them (``choose_paths(modes=)``)."""
     return dict(_modes)
 
 
 def set_int8_activations(activations: str) -> None:
-    """How int8 weights meet the activations (the engine applies ``experts.int8_activations``): ``fp32``, the
-    f32 mode (the products of the int8 weights alone: top-1 agreement 0.996 with int8 experts on the medium
-    preset, where q8 gave 0.988 on an AMX Xeon, 2026-12-05); ``int8``, the q8 mode, activations quantized per
-    token in blocks of 32 (faster where products are compute-bound: batch-32 decode 346 -> 393 tok/s there).
+    """How int8 weights meet the activations (the engine applies ``experts.int8_activations``): ``auto`` (the
+    default), the faster here of ``fp32`` and ``int16``, which score alike; ``fp32``, the f32 mode (the
+    products of the int8 weights alone: top-1 agreement 0.996 with int8 experts on the medium preset, where q8
+    gave 0.988 on an AMX Xeon, 2026-12-05); ``int16``, the q16 mode, activations quantized per token in blocks
+    of 32 to int16 (15 bits a block: on an AVX2 EPYC, 2026-12-07, `engine eval` gave fp32's top-1 0.9961 and
+    mean KL 1.464e-6 to four digits, and batch-1 decode ran 43.7 -> 55.6 tok/s, integer products skipping the
+    weights' widening to fp32); ``int8``, the q8 mode, activations quantized per token in blocks of 32 to int8
+    (faster where products are compute-bound: batch-32 decode 346 -> 393 tok/s on the AMX Xeon).
     The path table is chosen again (from the cached times) when this changes."""
-    if activations not in ("fp32", "int8"):
-        raise ValueError(f"int8 activations {activations!r}: expected fp32 or int8")
-    mode = "f32" if activations == "fp32" else "q8"
+    if activations not in INT8_ACTIVATION_MODES:
+        raise ValueError(f"int8 activations {activations!r}: expected one of {', '.join(INT8_ACTIVATION_MODES)}")
+    mode = INT8_ACTIVATION_MODES[activations]
     if _modes.get("int8") != mode:
         _modes["int8"] = mode
         _state.pop("paths_threads", None)
@@ -416,8 +432,8 @@ def native_path(precision: str, tokens: int) -> str:
 
 
 def _fit(p: str, inner: int) -> str:
-    """q8, bf16dp and tile read blocks of 32 activations: other inner sizes take the f32 mode."""
-    if inner % 32 and p.endswith((":q8", ":bf16dp", ":tile")):
+    """q8, q16, bf16dp and tile read blocks of 32 activations: other inner sizes take the f32 mode."""
+    if inner % 32 and p.endswith((":q8", ":q16", ":bf16dp", ":tile")):
         return p.split(":")[0] + ":f32"
     return p
 
@@ -472,10 +488,11 @@ def reads_int8(q: torch.Tensor, x: torch.Tensor) -> bool:
 
 def int8_path(tokens: int, grouped: bool = False) -> str:
     """The native path of int8 products at ``tokens`` tokens: the measured one, or with ``grouped`` (a scale
-    per group of 32 or more weights of a row) its variant's q8 mode, which applies those scales per block
-    of 32 as it goes (the f32 mode would run group by group)."""
+    per group of 32 or more weights of a row) where it is the f32 mode, its variant's q8 mode, which applies
+    those scales per block of 32 as it goes (the f32 mode would run group by group; q16 applies them per
+    block too)."""
     p = native_path("int8", tokens)
-    return p.split(":")[0] + ":q8" if grouped else p
+    return p.split(":")[0] + ":q8" if grouped and not p.endswith(":q16") else p
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -115,28 +115,56 @@ def _q8_dequant(x: torch.Tensor) -> torch.Tensor:
     return (q.float().view(t, k // 32, 32) * d[:, :, None]).view(t, k)
 
 
-def _product(w, q8: bool):
-    """x [K] -> x @ W.T in fp32 for a float weight or a quant.QWeight, as the f32 or q8 mode computes it.
-    q8: x quantized per block of 32; for int4, (zero - 8 scale) multiplies the exact group sums of x."""
+def _q16_dequant(x: torch.Tensor) -> torch.Tensor:
+    """The activations the q16 mode multiplies with: x quantized per row and block of 32 to int16, dequantized."""
+    q, d = _ops().quantize_q16(x.contiguous())
+    t, k = x.shape
+    return (q.float().view(t, k // 32, 32) * d[:, :, None]).view(t, k)
+
+
+#: The activations each mode multiplies with (f32: as they are), and the integer levels of its blocks.
+_ACTS = {"f32": lambda x: x, "q8": _q8_dequant, "q16": _q16_dequant}
+_LEVELS = {"q8": 127, "q16": 32767}
+
+
+def test_q16_activations_keep_15_bits_a_block():
+    """quantize_q16: per block of 32, d = max|x| / 32767 and q = round(x / d), so each value is within half a
+    step of x (and a zero block stays zero); q8's step is 258 times as coarse."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-3, 1.0, 1e3])[:, None]
+    x[1, 32:64] = 0
+    q, d = _ops().quantize_q16(x)
+    assert q.dtype == torch.int16 and d.shape == (3, 3)
+    blocks = x.view(3, 3, 32)
+    torch.testing.assert_close(d, blocks.abs().amax(-1) / 32767)
+    assert int(q.abs().max()) == 32767 and torch.equal(q.view(3, 3, 32)[1, 1], torch.zeros(32, dtype=torch.int16))
+    assert bool(((_q16_dequant(x) - x).view(3, 3, 32).abs() <= d[..., None] * 0.5 * (1 + 1e-5)).all())
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        _ops().quantize_q16(torch.randn(2, 40))
+
+
+def _product(w, mode: str = "f32"):
+    """x [K] -> x @ W.T in fp32 for a float weight or a quant.QWeight, as the f32, q8 or q16 mode computes it.
+    q8/q16: x quantized per block of 32; for int4 (q8), (zero - 8 scale) multiplies the exact group sums of x."""
     from engine.moe import quant
 
+    acts = _ACTS[mode]
     if isinstance(w, torch.Tensor):
         wf = w.float()
-        return lambda x: F.linear(_q8_dequant(x[None])[0] if q8 else x, wf)
+        return lambda x: F.linear(acts(x[None])[0], wf)
     wd = quant.dequantize(w)
-    if w.precision == "int4" and q8:
+    if w.precision == "int4" and mode == "q8":
         vals, n = quant._int4_values(w), w.shape[0]
         return lambda x: _int4_reference(x[None], vals, w.scales, w.group_size, n)[0]
-    return lambda x: F.linear(_q8_dequant(x[None])[0] if q8 else x, wd)
+    return lambda x: F.linear(acts(x[None])[0], wd)
 
 
-def _moe_reference(h, w13, w2, ids, gates, q8=False):
-    """Expert by expert in fp32 (weights: stacked float tensors or lists of QWeight); ``q8``: products as the
-    q8 mode computes them (each expert's inputs quantized per row). Returns (out, slack): slack is what
-    the q8 rounding of the down products' inputs may move each output (zero in f32), see
+def _moe_reference(h, w13, w2, ids, gates, mode="f32"):
+    """Expert by expert in fp32 (weights: stacked float tensors or lists of QWeight); ``mode`` q8/q16: products
+    as that mode computes them (each expert's inputs quantized per row). Returns (out, slack): slack is what
+    the rounding of the down products' inputs may move each output (zero in f32), see
     :func:`_assert_q8_close`."""
-    p13 = [_product(w, q8) for w in w13]
-    p2 = [_product(w, q8) for w in w2]
+    p13 = [_product(w, mode) for w in w13]
+    p2 = [_product(w, mode) for w in w2]
     out, slack = torch.zeros_like(h), torch.zeros_like(h)
     for t in range(h.shape[0]):
         for j in range(ids.shape[1]):
@@ -147,14 +175,14 @@ def _moe_reference(h, w13, w2, ids, gates, q8=False):
             inter = gu.shape[0] // 2
             act = F.silu(gu[:inter]) * gu[inter:]
             out[t] += gates[t, j] * p2[e](act)
-            if q8:
-                slack[t] += gates[t, j].abs() * _q8_flips(act, w2[e])
+            if mode in _LEVELS:
+                slack[t] += gates[t, j].abs() * _q8_flips(act, w2[e], _LEVELS[mode])
     return out, slack
 
 
-def _q8_flips(act: torch.Tensor, w) -> torch.Tensor:
-    """How far the q8 product ``act @ W.T`` moves if the activations lying near a rounding boundary of their
-    int8 quantization round the other way: one step (the block's scale) times that input's weight column.
+def _q8_flips(act: torch.Tensor, w, levels: int = 127) -> torch.Tensor:
+    """How far the q8 (q16: ``levels`` 32767) product ``act @ W.T`` moves if the activations lying near a
+    rounding boundary of their quantization round the other way: one step (the block's scale) times that input's weight column.
     The kernel computes the SiLU (an fp32 exp of its own) and the gate/up products (another summation order)
     a few ulps off PyTorch, about 1e-4 of a step, so an activation that close to x.5 steps rounds to the
     other integer there. Each such flip moves every output of the token (seen: 61 of 320 outputs 1.6e-3 of
@@ -164,7 +192,7 @@ def _q8_flips(act: torch.Tensor, w) -> torch.Tensor:
     from engine.moe import quant
 
     blocks = act.view(-1, 32)
-    step = blocks.abs().amax(1, keepdim=True) / 127
+    step = blocks.abs().amax(1, keepdim=True) / levels
     frac = (blocks / step.clamp_min(1e-30)).frac().abs()
     near = ((frac - 0.5).abs() < 1e-3).view(-1)
     if not bool(near.any()):
@@ -741,7 +769,8 @@ def test_int8_dense_matrices_halve_the_bytes_a_step_reads_and_keep_the_tokens(ma
     # the mode that applies group scales per block runs them, and results record it
     from engine.roofline import step_cost
 
-    assert model.int8_grouped and kernels.int8_path(1, grouped=True).endswith(":q8")
+    assert model.int8_grouped and kernels.int8_path(1, grouped=True).endswith(  # q16 applies group scales too
+        ":q16" if kernels.native_path("int8", 1).endswith(":q16") else ":q8")
     assert step_cost(engine, 1, 1.0, 8.0).dense_path == f"int8/{kernels.int8_path(1, grouped=True)}"
     int8_bytes = model_bytes(engine)["dense_bytes"]
     assert 0.45 < int8_bytes / bf16_bytes < 0.7  # int8 matrices plus their scales; norms and routers as loaded
@@ -937,19 +966,19 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
     # depends on the calibration cache); seed 3 flips one activation's rounding at int4 group 64 (_q8_flips)
     h = torch.randn(5, eng.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     gates, ids = eng.model.route(eng.model.layers[layer], h)
-    modes = ["f32", "q8"] if precision == "int8" else ["q8"]
+    modes = ["f32", "q16", "q8"] if precision == "int8" else ["q8"]
     for mode in modes:
         with kernels.forced_paths(**{precision: mode}):
             calls = hybrid.stats.expert_calls_fast_hi
             fused = hybrid._run_fused(layer, h, gates, ids)
             assert fused is not None and hybrid.stats.expert_calls_fast_hi == calls + len(set(ids.flatten().tolist()))
-            ref, slack = _moe_reference(h, w13, w2, ids, gates, q8=mode == "q8")
-            if mode == "q8":
+            ref, slack = _moe_reference(h, w13, w2, ids, gates, mode)
+            if mode in _LEVELS:
                 _assert_q8_close(fused, ref, slack, atol_of_max=1e-4)
             else:
                 torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
             x = torch.randn(2, eng.spec.hidden_size)
-            ref13 = torch.stack([_product(v.w13, mode == "q8")(row) for row in x])
+            ref13 = torch.stack([_product(v.w13, mode)(row) for row in x])
             torch.testing.assert_close(v.linear13(x, native=True), ref13, rtol=1e-5, atol=1e-5)
     # Trivial plans: each layer's experts stacked, the handles' versions views into the stack (one copy in
     # memory), one stacked call a layer that gives the list call's bits; a reconfigure reuses the stack.
@@ -1022,6 +1051,7 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
         q = torch.randint(-127, 128, (rows, inner), dtype=torch.int8, generator=g)
         s = torch.rand(rows, generator=g)  # fp32 row scales are accepted too
         _close(op.linear_q(x, q, s, 0, 0, f"{variant}:q8", None), _q8_dequant(x) @ (q.float() * s[:, None]).t())
+        _close(op.linear_q(x, q, s, 0, 0, f"{variant}:q16", None), _q16_dequant(x) @ (q.float() * s[:, None]).t())
         # a scale per group of a row (runtime.dense_precision=int8): powers of two take the q8 mode's scales per
         # block, others (96) and the f32 mode go group by group
         for group in (32, 64, 96, 128):
@@ -1029,6 +1059,7 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
                 sg = torch.rand(rows, inner // group, generator=g)
                 w = (q.float().view(rows, -1, group) * sg[..., None]).view(rows, inner)
                 _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:q8", None), _q8_dequant(x) @ w.t())
+                _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:q16", None), _q16_dequant(x) @ w.t())
                 _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:f32", None), x @ w.t())
         for group in (32, 64, 128):
             if inner % group == 0:
@@ -1051,11 +1082,11 @@ def test_tiles_past_16_tokens_match_pytorch(tokens):
         _close(op.linear_q(x, w, None, 0, 0, "amx:tile", None), x.bfloat16().float() @ w.float().t())
 
 
-# Every (variant, format, mode) there is: f32 on each, q8 on those with int8 products (avx512_bf16's are
-# avx512_vnni's), bf16dp on avx512_bf16 alone.
+# Every (variant, format, mode) there is: f32 on each, q8 and q16 on those with int8 products (avx512_bf16's
+# are avx512_vnni's; the VNNI variants' q16 is avx2's or avx512's), bf16dp on avx512_bf16 alone.
 INT_VARIANTS = [v for v in kernels.ISA_VARIANTS if v not in ("avx512_bf16", "amx")]
 MOE_PATHS = ([(v, f, "f32") for v in kernels.ISA_VARIANTS for f in ("bf16", "fp16", "int8")]
-             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [("avx512_bf16", "bf16", "bf16dp"), ("amx", "bf16", "tile")])
+             + [(v, f, "q8") for v in INT_VARIANTS for f in ("int8", "int4")] + [(v, "int8", "q16") for v in INT_VARIANTS] + [("avx512_bf16", "bf16", "bf16dp"), ("amx", "bf16", "tile")])
 
 
 @pytest.mark.parametrize("variant,fmt,mode", MOE_PATHS)
@@ -1107,8 +1138,8 @@ def test_moe_on_every_variant_and_path_the_cpu_runs(variant, fmt, mode, tokens):
         ref, _ = _moe_reference(h.bfloat16().float(), r13, r2, ids, gates)  # bf16dp rounds act too: loose
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
         return
-    ref, slack = _moe_reference(h, r13, r2, ids, gates, q8=mode == "q8")
-    if mode == "q8":
+    ref, slack = _moe_reference(h, r13, r2, ids, gates, mode)
+    if mode in _LEVELS:
         _assert_q8_close(got, ref, slack)
     else:
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
@@ -1328,6 +1359,14 @@ def test_choose_paths_takes_the_arithmetic_a_precision_must_take():
     exact = kernels.choose_paths(times, pts, modes={"int8": "f32", "int4": "f32"})
     assert exact["int8"]["mode"] == "f32" and exact["int8"]["ranges"] == [[None, "avx512:f32"]]
     assert exact["int8"]["crossover_tokens"] is None and exact["int4"] == fastest["int4"]
+    # q16 keeps 15 bits of each activation: no path that rounds them to bf16 either, fp32 GEMM where it wins.
+    times["int8"] |= {"avx2:q16": t(26, 31, 70, 230, 900), "avx512:q16": t(27, 30, 65, 220, 850),
+                      "torch:widen": t(200, 200, 210, 300, 900)}
+    wide = kernels.choose_paths(times, pts, modes={"int8": "q16"})["int8"]
+    assert wide["mode"] == "q16" and wide["ranges"] == [[2, "avx2:q16"], [None, "avx512:q16"]]
+    assert wide["crossover_tokens"] is None
+    times["int8"]["torch:widen"] = t(200, 200, 210, 300, 400)
+    assert kernels.choose_paths(times, pts, modes={"int8": "q16"})["int8"]["ranges"][-1] == [None, "torch:widen"]
 
 
 def test_paths_are_measured_once_and_reported():
@@ -1363,6 +1402,14 @@ def test_paths_are_measured_once_and_reported():
     assert ("torch:bf16" in kernels.candidate_paths("bf16", rep["runnable"], rep["amx"]["present"])) == native_bf16
     assert "torch:bf16" not in kernels.candidate_paths("bf16", ["scalar", "avx2", "avx512"], False)
     assert "torch:bf16" in kernels.candidate_paths("bf16", ["scalar", "avx2", "avx512", "avx512_bf16"], False)
+    # q16 uses no VNNI instruction: its variants are avx2 and avx512 (scalar where neither runs)
+    vnni = ["scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni"]
+    assert [p for p in kernels.candidate_paths("int8", vnni) if p.endswith(":q16")] == ["avx2:q16", "avx512:q16"]
+    assert "scalar:q16" in kernels.candidate_paths("int8", ["scalar"])
+    # int8 takes one of the arithmetics its activations knob allows (auto: f32 or q16), and the report says which
+    assert rep["paths"]["int8"]["mode"] in kernels.modes()["int8"]
+    assert {kernels.arithmetic(p) for _, p in rep["paths"]["int8"]["ranges"] if not p.startswith("torch:")} == {
+        rep["paths"]["int8"]["mode"]}
     assert kernels.dispatch_summary().startswith(rep["isa"] + ";")
     with kernels.forced_paths(int8="f32"):
         assert kernels.path("int8", 7) == ":f32" and "int8 :f32 (forced)" in kernels.dispatch_summary()
@@ -1400,10 +1447,12 @@ def test_bf16_kv_cache_halves_the_cache_at_a_measured_cost(make_ckpt, cpu_kernel
 
 
 def test_int8_activations_choose_how_int8_experts_meet_the_activations(make_ckpt):
-    """experts.int8_activations: fp32 (the default) runs int8 experts on the f32 mode at every token count,
-    int8 on the q8 mode (activations quantized per block of 32); reconfigure switches the path table, the
-    results record it (the dispatch summary), and the two arithmetics score differently against the fp32
-    reference."""
+    """experts.int8_activations: fp32 runs int8 experts on the f32 mode at every token count, int16 on the q16
+    mode, int8 on the q8 mode (activations quantized per block of 32), auto (the default) on the faster
+    arithmetic of f32 and q16 in the measured times; reconfigure switches the path table, the results record
+    it (the dispatch summary), and the arithmetics score differently against the fp32 reference, int16 as
+    close to fp32 as 15 bits a block make it."""
+    from engine import calibrate
     from engine.quality import evaluate
 
     path = make_ckpt("qwen3_moe", dtype="bfloat16", seed=5)
@@ -1412,20 +1461,31 @@ def test_int8_activations_choose_how_int8_experts_meet_the_activations(make_ckpt
     def int8_paths() -> str:
         return kernels.dispatch_summary().split("; int8 ")[1].split(";")[0]
 
+    assert eng.config.experts.int8_activations == "auto" and kernels.modes()["int8"] == ("f32", "q16")
+    times = {p: t for p, t in calibrate.kernel_paths()["times_s"]["int8"].items()
+             if p in kernels.candidate_paths("int8", _runnable(), kernels.amx_present())}
+    faster = kernels.choose_paths({"int8": times}, modes={"int8": ("f32", "q16")})["int8"]["mode"]
+    assert faster in ("f32", "q16") and kernels.prepare()["int8"]["mode"] == faster
+    assert ":q8" not in int8_paths() and "torch:quant" not in int8_paths() and f":{faster}" in int8_paths()
+    scores = {}
     try:
-        assert kernels.modes()["int8"] == "f32"
-        assert all(kernels.path("int8", n).endswith(":f32") for n in (1, 3, 16, 64, 1000))
-        assert ":f32" in int8_paths() and ":q8" not in int8_paths()
-        exact = evaluate(eng, PROMPTS)
-        eng.reconfigure(eng.config.replace(int8_activations="int8"))
-        assert kernels.modes()["int8"] == "q8"
-        assert all(kernels.path("int8", n).endswith(":q8") for n in (1, 3, 16, 64))
-        assert ":q8" in int8_paths() and ":f32" not in int8_paths()
-        quantized = evaluate(eng, PROMPTS)
+        for value, mode in (("fp32", "f32"), ("int16", "q16"), ("int8", "q8")):
+            eng.reconfigure(eng.config.replace(int8_activations=value))
+            assert kernels.modes()["int8"] == (mode,)
+            assert all(kernels.path("int8", n).endswith(f":{mode}") for n in (1, 3, 16, 64))
+            assert f":{mode}" in int8_paths() and all(f":{m}" not in int8_paths() for m in ("f32", "q16", "q8")
+                                                       if m != mode)
+            if mode == "f32":
+                assert all(kernels.path("int8", n).endswith(":f32") for n in (1000,))
+            scores[value] = evaluate(eng, PROMPTS)
     finally:
-        eng.reconfigure(eng.config.replace(int8_activations="fp32"))
-    assert kernels.modes()["int8"] == "f32"
-    assert exact["mean_kl"] != quantized["mean_kl"]
+        eng.reconfigure(eng.config.replace(int8_activations="auto"))
+    assert kernels.modes()["int8"] == ("f32", "q16") and kernels.prepare()["int8"]["mode"] == faster
+    exact, wide, quantized = (scores[v]["mean_kl"] for v in ("fp32", "int16", "int8"))
+    assert len({exact, wide, quantized}) == 3 and abs(wide - exact) < abs(quantized - exact)
+    with pytest.raises(ValueError, match="int8 activations 'int4': expected one of auto, fp32, int16, int8"):
+        kernels.set_int8_activations("int4")
+
 
 def test_a_moe_on_tiles_runs_its_experts_of_few_tokens_on_vdpbf16ps_as_measured():
     """calibrate.moe_vector_tokens: the fused MoE timed cold on each mode, every expert at n tokens; the

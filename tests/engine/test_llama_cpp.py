@@ -157,12 +157,14 @@ def test_eval_scores_llama_cpp_against_the_engines_reference(ckpt, capsys):
 def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, native_kernels):
     assert main(["compare-hf", "--model", str(ckpt), "--batch", "1,2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1", "--rounds", "1", "--staggered", "0",
-                 "--systems", "transformers,engine,engine_int8,engine_int8_a8,engine_q8,engine_int4,llama_bf16",
+                 "--systems", "transformers,engine,engine_int8,engine_int8_a32,engine_int8_a16,engine_int8_a8,engine_q8,"
+                 "engine_int4,llama_bf16",
                  "--json"]) == 0
     cap = capsys.readouterr()
     res = json.loads(cap.out.strip().splitlines()[-1])
     assert "int4_group_size=128" in res["skipped"]["engine_int4"]  # hidden 64: a one-line reason, not a crash
-    measured = (["transformers", "engine", "engine_int8", "engine_int8_a8", "engine_q8"]
+    measured = (["transformers", "engine", "engine_int8", "engine_int8_a32", "engine_int8_a16", "engine_int8_a8",
+                 "engine_q8"]
                 + (["llama_bf16"] if llama_cpp.available() is None else []))
     if llama_cpp.available() is not None:
         assert "not installed" in res["skipped"]["llama_bf16"]
@@ -189,15 +191,19 @@ def test_compare_json_has_every_system_rooflines_and_targets(ckpt, capsys, nativ
         assert row["engine_int8_roofline"]["weight_bytes_per_step"] < row["engine_roofline"]["weight_bytes_per_step"]
     assert {t["target"] for t in res["targets"]} >= {"prefill b=1: x transformers bf16",
                                                      "int8 experts, int8 activations b=1: x llama.cpp q8_0",
+                                                     "int8 experts, int16 activations b=1: x llama.cpp q8_0",
                                                      "int8 weights (experts and dense) b=1: x llama.cpp q8_0"}
-    # engine_int8 keeps fp32 activations (the f32 mode at every token count); engine_int8_a8 quantizes them
-    # (llama.cpp's q8_0 arithmetic): each records which, and its int8 paths say the same
-    a8, f32 = res["systems"]["engine_int8_a8"], res["systems"]["engine_int8"]
-    assert (a8["int8_activations"], f32["int8_activations"]) == ("int8", "fp32")
-    int8_paths = {n: re.search(r"; int8 ([^;]+);", res["systems"][n]["cpu_kernels"]).group(1)
-                  for n in ("engine_int8", "engine_int8_a8")}
-    assert ":f32" in int8_paths["engine_int8"] and ":q8" not in int8_paths["engine_int8"], int8_paths
-    assert ":f32" not in int8_paths["engine_int8_a8"], int8_paths
+    # engine_int8_a32 keeps fp32 activations (the f32 mode at every token count); engine_int8_a8 quantizes them
+    # (llama.cpp's q8_0 arithmetic), engine_int8_a16 to int16 (q16), engine_int8 takes the faster of f32 and q16
+    # (auto): each records which, and its int8 paths say the same
+    names = ("engine_int8", "engine_int8_a32", "engine_int8_a16", "engine_int8_a8")
+    assert [res["systems"][n]["int8_activations"] for n in names] == ["auto", "fp32", "int16", "int8"]
+    int8_paths = {n: re.search(r"; int8 ([^;]+);", res["systems"][n]["cpu_kernels"]).group(1) for n in names}
+    assert ":f32" in int8_paths["engine_int8_a32"] and ":q" not in int8_paths["engine_int8_a32"], int8_paths
+    assert ":q8" in int8_paths["engine_int8_a8"] and ":f32" not in int8_paths["engine_int8_a8"], int8_paths
+    assert ":q16" in int8_paths["engine_int8_a16"] and ":q8" not in int8_paths["engine_int8_a16"], int8_paths
+    auto = int8_paths["engine_int8"]
+    assert ":q8" not in auto and (":f32" in auto) != (":q16" in auto), int8_paths
     assert res["systems"]["engine_q8"]["dense"] == "int8" and res["systems"]["engine"]["dense"] == "as_loaded"
     assert res["kernel_dispatch"]["available"]
 
