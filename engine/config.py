@@ -205,8 +205,8 @@ class ResidencyConfig:
         "int16 (integer dot products on the weights sign-extended in registers: fp32's quality to 4 digits, "
         "faster where widening int8 to fp32 bounds a product); auto = the faster of fp32 and int16 as measured "
         "on this machine; int8 = quantized per token in blocks of 32, as llama.cpp's q8_0 does (integer dot "
-        "products: faster where products are compute-bound, at a quality cost that `engine eval` measures).", search=Search(), when={"hi_precision": ("int8",)}, needs="cpu",
-        executor=False)
+        "products: faster where products are compute-bound, at a quality cost that `engine eval` measures).",
+        search=Search(), when={"hi_precision": ("int8",)}, needs="cpu", executor=False)
     int4_group_size: int = knob(
         128, "Group size (input channels per scale) of int4 weights, a power of two; must divide hidden and "
         "expert widths.", min=INT4_GROUP_SIZES[0], max=INT4_GROUP_SIZES[-1],
