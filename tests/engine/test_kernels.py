@@ -995,8 +995,9 @@ def test_quantized_experts_run_on_the_native_kernels(make_ckpt, precision, group
 # ---------------------------------------------------------------------------------------- ISA variants
 X86 = platform.machine() in ("x86_64", "AMD64")
 # [rows, inner]: tails of rows, lanes and tiles; at one token the rows of a chunk are read as 4 streams,
-# and 1001 rows make several chunks, each with rows left over
-F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7), (1001, 64)]
+# and 1001 rows make several chunks, each with rows left over; bf16 at 1-2 tokens reads inner sizes of whole
+# blocks of 32 from split activations (one block, an odd count, many), the others as given
+F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7), (1001, 64), (9, 32), (6, 96)]
 # q8/int4 read blocks of 32; 160: a 128-step loop and its tail
 Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160), (1001, 96)]
 TOKENS = [1, 2, 3, 5, 9, 70]  # around the 2-4 token register tiles, and past the 64-token block
