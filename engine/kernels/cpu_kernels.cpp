@@ -117,6 +117,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <new>
 #include <string>
@@ -255,28 +256,25 @@ class Scratch {
   T* p_ = nullptr;
 };
 
-// One row in blocks of 32 to int16 (q16): d = max|x| / 32767, q = round(x / d) (ties to even).
-inline void quantize_row16(const float* x, int64_t K, int16_t* q, float* d8) {
+// One row in blocks of 32 to integers of Q, as many levels either side of 0 as Q holds (q8: int8, 127; q16:
+// int16, 32767): d = max|x| / levels, q = round(x / d) (ties to even); each block's d 8 times in d8.
+template <typename Q>
+inline void quantize_blocks(const float* x, int64_t K, Q* q, float* d8) {
+  constexpr float kLevels = std::numeric_limits<Q>::max();
   for (int64_t blk = 0; blk < K / kQBlock; ++blk) {
     const float* xb = x + blk * kQBlock;
     float amax = 0.f;
     for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+    const float d = amax / kLevels, id = d > 0.f ? 1.f / d : 0.f;
     for (int64_t i = 0; i < kQBlock; ++i)
-      q[blk * kQBlock + i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(xb[i] * id))));
+      q[blk * kQBlock + i] = static_cast<Q>(std::max(-kLevels, std::min(kLevels, std::nearbyint(xb[i] * id))));
     for (int j = 0; j < 8; ++j) d8[blk * 8 + j] = d;
   }
 }
 
+// q8: quantize_blocks to int8, and for int4 weights (gs) the exact sum of x over each weight group of G.
 inline void quantize_row(const float* x, int64_t K, int64_t G, int8_t* q, float* d8, float* gs) {
-  for (int64_t blk = 0; blk < K / kQBlock; ++blk) {
-    const float* xb = x + blk * kQBlock;
-    float amax = 0.f;
-    for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    for (int64_t i = 0; i < kQBlock; ++i) q[blk * kQBlock + i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
-    for (int j = 0; j < 8; ++j) d8[blk * 8 + j] = d;
-  }
+  quantize_blocks(x, K, q, d8);
   if (gs)
     for (int64_t g = 0; g < K / G; ++g) {
       float s = 0.f;
@@ -328,7 +326,7 @@ void prepare_buffers(const float* x, int64_t T, int64_t K, Kind kind, int64_t G,
 
 void prepare_rows(const float* x, int64_t t0, int64_t t1, int64_t K, Kind kind, int64_t G, Prepared& p) {
   if (kind == Kind::I8Q16) {
-    for (int64_t t = t0; t < t1; ++t) quantize_row16(x + t * K, K, p.q16.data() + t * K, p.d.data() + t * (K / kQBlock) * 8);
+    for (int64_t t = t0; t < t1; ++t) quantize_blocks(x + t * K, K, p.q16.data() + t * K, p.d.data() + t * (K / kQBlock) * 8);
   } else if (kind == Kind::I8Q8 || kind == Kind::I4Q8) {
     const int64_t nb = K / kQBlock, ng = kind == Kind::I4Q8 ? K / G : 0;
     for (int64_t t = t0; t < t1; ++t)
@@ -970,6 +968,21 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                   0, 0, "", std::nullopt);
 }
 
+// The quantized activations prepare left in buffer v, as a [T, K] tensor of x's device and `dtype`.
+template <typename V>
+at::Tensor prepared_values(const std::vector<V>& v, const at::Tensor& x, at::ScalarType dtype) {
+  at::Tensor t = at::empty({x.size(0), x.size(1)}, x.options().dtype(dtype));
+  std::copy(v.begin(), v.end(), static_cast<V*>(t.data_ptr()));
+  return t;
+}
+
+// The scale of each block of 32 that prepare kept 8 times over, once: [T, K / 32].
+at::Tensor block_scales(const Prepared& p, const at::Tensor& x) {
+  at::Tensor d = at::empty({x.size(0), x.size(1) / kQBlock}, x.options());
+  for (int64_t i = 0; i < d.numel(); ++i) d.data_ptr<float>()[i] = p.d[i * 8];
+  return d;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x, int64_t group) {
   check_act(x, "quantize_q8");
   const int64_t T = x.size(0), K = x.size(1);
@@ -977,26 +990,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x, 
               "moetune::quantize_q8: inner size ", K, " must divide into blocks of 32 and groups of ", group);
   Prepared p;
   prepare(x.data_ptr<float>(), T, K, group ? Kind::I4Q8 : Kind::I8Q8, group ? group : kQBlock, p);
-  at::Tensor q = at::empty({T, K}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({T, K / kQBlock}, x.options());
   at::Tensor gs = at::empty({T, group ? K / group : 0}, x.options());
-  std::copy(p.q.begin(), p.q.end(), q.data_ptr<int8_t>());
-  for (int64_t i = 0; i < T * (K / kQBlock); ++i) d.data_ptr<float>()[i] = p.d[i * 8];
   std::copy(p.gs.begin(), p.gs.end(), gs.data_ptr<float>());
-  return {q, d, gs};
+  return {prepared_values(p.q, x, at::kChar), block_scales(p, x), gs};
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_q16(const at::Tensor& x) {
   check_act(x, "quantize_q16");
-  const int64_t T = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(K % kQBlock == 0, "moetune::quantize_q16: inner size ", K, " must divide into blocks of 32");
   Prepared p;
-  prepare(x.data_ptr<float>(), T, K, Kind::I8Q16, kQBlock, p);
-  at::Tensor q = at::empty({T, K}, x.options().dtype(at::kShort));
-  at::Tensor d = at::empty({T, K / kQBlock}, x.options());
-  std::copy(p.q16.begin(), p.q16.end(), q.data_ptr<int16_t>());
-  for (int64_t i = 0; i < T * (K / kQBlock); ++i) d.data_ptr<float>()[i] = p.d[i * 8];
-  return {q, d};
+  prepare(x.data_ptr<float>(), x.size(0), K, Kind::I8Q16, kQBlock, p);
+  return {prepared_values(p.q16, x, at::kShort), block_scales(p, x)};
 }
 
 // ------------------------------------------------------------------------------ weight quantization
