@@ -294,9 +294,12 @@ inline void split_row(const float* x, int64_t K, float* xs) {
     }
 }
 
+// Products whose activations prepare splits (split_row): bf16 weights in the f32 mode, K whole blocks of 32.
+inline bool splits_rows(Kind k, int64_t K) { return k == Kind::Bf16F32 && K % kQBlock == 0; }
+
 // Kinds whose activations prepare_rows rewrites (the rest read Act::x as given).
 inline bool prepares_rows(Kind k, int64_t K) {
-  return quantized_acts(k) || k == Kind::Bf16Dp || k == Kind::Bf16Tile || (k == Kind::Bf16F32 && K % kQBlock == 0);
+  return quantized_acts(k) || k == Kind::Bf16Dp || k == Kind::Bf16Tile || splits_rows(k, K);
 }
 
 // prepare in two parts: the buffers and each row's pointers for T rows (prepare_buffers), then rows [t0, t1)
@@ -318,7 +321,7 @@ void prepare_buffers(const float* x, int64_t T, int64_t K, Kind kind, int64_t G,
   } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
     p.b.resize(T * K);
     for (int64_t t = 0; t < T; ++t) p.acts[t].b = p.b.data() + t * K;
-  } else if (prepares_rows(kind, K)) {
+  } else if (splits_rows(kind, K)) {
     p.xs.resize(T * K);
     for (int64_t t = 0; t < T; ++t) p.acts[t].xs = p.xs.data() + t * K;
   }
@@ -333,7 +336,7 @@ void prepare_rows(const float* x, int64_t t0, int64_t t1, int64_t K, Kind kind, 
       quantize_row(x + t * K, K, G, p.q.data() + t * K, p.d.data() + t * nb * 8, ng ? p.gs.data() + t * ng : nullptr);
   } else if (kind == Kind::Bf16Dp || kind == Kind::Bf16Tile) {
     for (int64_t i = t0 * K; i < t1 * K; ++i) p.b[i] = f_to_bf16(x[i]);
-  } else if (prepares_rows(kind, K)) {
+  } else if (splits_rows(kind, K)) {
     for (int64_t t = t0; t < t1; ++t) split_row(x + t * K, K, p.xs.data() + t * K);
   }
 }
@@ -2940,7 +2943,7 @@ inline void tile_dots(const Mat& m, int64_t r, int64_t step, const Act* x, int64
     for (int i = 0; i < NR; ++i) w[i] = static_cast<const E*>(m.w) + (r + i * step) * m.ld;
 #if MT_ISA >= MT_AVX2
     if constexpr (KD == Kind::Bf16F32 && NT <= 2)
-      if (x[0].xs != nullptr) {  // prepared split: K % 32 == 0 (prepares_rows)
+      if (x[0].xs != nullptr) {  // prepared split: K % 32 == 0 (splits_rows)
         dots_bf16_split<NR, NT>(w, x, K, ahead, s);
         return;
       }
