@@ -142,9 +142,28 @@ def test_q16_activations_keep_15_bits_a_block():
         _ops().quantize_q16(torch.randn(2, 40))
 
 
+@pytest.mark.parametrize("group", [0, 32, 64, 96, 128, 192])
+def test_q8_activation_blocks_follow_the_int4_group(group):
+    """quantize_q8(x, group): blocks of 64 (an int4 chunk, one scale for its two halves) where the int4
+    group is a multiple of 64, else of 32 (int8 weights: group 0; int4 groups of 32 and 96); d keeps one
+    scale per 32 values either way, and each value is within half a step of x; the group sums are fp32 sums."""
+    x = torch.randn(2, 384, generator=torch.Generator().manual_seed(group)) * torch.tensor([1e-2, 1e2])[:, None]
+    x[0, 64:128] = 0
+    q, d, gs = _ops().quantize_q8(x, group)
+    block = 64 if group and group % 64 == 0 else 32
+    want = x.view(2, -1, block).abs().amax(-1) / 127
+    torch.testing.assert_close(d, want.repeat_interleave(block // 32, dim=1))
+    assert torch.equal(q[0, 64:128], torch.zeros(64, dtype=torch.int8))
+    xq = (q.float().view(2, -1, 32) * d[..., None]).view(2, 384)
+    assert bool(((xq - x).view(2, -1, 32).abs() <= d[..., None] * 0.5 * (1 + 1e-5)).all())
+    assert gs.shape == (2, 384 // group if group else 0)
+    if group:
+        torch.testing.assert_close(gs, x.view(2, -1, group).sum(-1), rtol=1e-5, atol=1e-5)
+
+
 def _product(w, mode: str = "f32"):
     """x [K] -> x @ W.T in fp32 for a float weight or a quant.QWeight, as the f32, q8 or q16 mode computes it.
-    q8/q16: x quantized per block of 32; for int4 (q8), (zero - 8 scale) multiplies the exact group sums of x."""
+    q8/q16: x quantized per block of 32; for int4 (q8) as _int4_reference (blocks of 64 where the group allows)."""
     from engine.moe import quant
 
     acts = _ACTS[mode]
@@ -191,7 +210,9 @@ def _q8_flips(act: torch.Tensor, w, levels: int = 127) -> torch.Tensor:
     within 1e-3. A wrong scale, expert or layout moves far more."""
     from engine.moe import quant
 
-    blocks = act.view(-1, 32)
+    int4 = not isinstance(w, torch.Tensor) and w.precision == "int4"
+    block = 64 if int4 and w.group_size % 64 == 0 else 32  # as the q8 mode quantizes (int4_act_block)
+    blocks = act.view(-1, block)
     step = blocks.abs().amax(1, keepdim=True) / levels
     frac = (blocks / step.clamp_min(1e-30)).frac().abs()
     near = ((frac - 0.5).abs() < 1e-3).view(-1)
@@ -199,9 +220,9 @@ def _q8_flips(act: torch.Tensor, w, levels: int = 127) -> torch.Tensor:
         return torch.zeros(w.shape[0])
     if isinstance(w, torch.Tensor):
         cols = w.float()
-    elif w.precision == "int4":  # the reference's scale * q term (the zero term takes the exact sums)
-        cols = quant._int4_values(w)[: w.shape[0]].float() * w.scales[:, : w.shape[0], 0].t().float().repeat_interleave(
-            w.group_size, dim=1)
+    elif int4:  # the reference's scale * (q - 8) term (the zero term takes the exact sums)
+        cols = (quant._int4_values(w)[: w.shape[0]].float() - 8) * w.scales[:, : w.shape[0], 0].t().float(
+        ).repeat_interleave(w.group_size, dim=1)
     else:
         cols = quant.dequantize(w)
     return (cols[:, near].abs() * step.expand_as(blocks).reshape(-1)[near]).sum(1)
@@ -998,8 +1019,9 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # and 1001 rows make several chunks, each with rows left over; bf16 at 1-2 tokens reads inner sizes of whole
 # blocks of 32 from split activations (one block, an odd count, many), the others as given
 F32_SHAPES = [(37, 100), (64, 1024), (5, 16), (3, 7), (1001, 64), (9, 32), (6, 96)]
-# q8/int4 read blocks of 32; 160: a 128-step loop and its tail
-Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160), (1001, 96)]
+# q8/int4 read blocks of 32; 160: a 128-step loop and its tail; 480: int4 groups of 96 and 160, which end
+# in the middle of a 64-value chunk
+Q8_SHAPES = [(37, 128), (64, 1024), (5, 96), (1, 32), (7, 160), (1001, 96), (7, 480)]
 TOKENS = [1, 2, 3, 5, 9, 70]  # around the 2-4 token register tiles, and past the 64-token block
 
 
@@ -1018,13 +1040,15 @@ def _int4(rows: int, inner: int, group: int, g: torch.Generator):
 
 
 def _int4_reference(x: torch.Tensor, vals: torch.Tensor, sz: torch.Tensor, group: int, rows: int) -> torch.Tensor:
-    """w = (q - 8) * scale + zero per group: scale * sum(q * x_q8) + (zero - 8 scale) * sum(x)."""
+    """w = (q - 8) * scale + zero per group: scale * sum((q - 8) * x_q8) + zero * sum(x), x_q8 the
+    activations as the q8 mode quantizes them against int4 weights of this group (``quantize_q8(x, group)``)."""
     t, k = x.shape
     s, z = sz[:, :rows, 0].t().float(), sz[:, :rows, 1].t().float()  # [rows, G]
     q = vals[:rows].float().view(rows, k // group, group)
-    xq = _q8_dequant(x).view(t, k // group, group)
-    return (torch.einsum("tgk,ngk,ng->tn", xq, q, s)
-            + torch.einsum("tg,ng->tn", x.view(t, k // group, group).sum(-1), z - 8 * s))
+    qx, d, _ = _ops().quantize_q8(x.contiguous(), group)
+    xq = (qx.float().view(t, k // 32, 32) * d[:, :, None]).view(t, k // group, group)
+    return (torch.einsum("tgk,ngk,ng->tn", xq, q - 8, s)
+            + torch.einsum("tg,ng->tn", x.view(t, k // group, group).sum(-1), z))
 
 
 @pytest.mark.parametrize("variant", kernels.ISA_VARIANTS)
@@ -1062,7 +1086,7 @@ def test_every_variant_matches_pytorch_where_the_cpu_runs_it(variant, tokens):
                 _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:q8", None), _q8_dequant(x) @ w.t())
                 _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:q16", None), _q16_dequant(x) @ w.t())
                 _close(op.linear_q(x, q, sg, 0, 0, f"{variant}:f32", None), x @ w.t())
-        for group in (32, 64, 128):
+        for group in (32, 64, 96, 128, 160):
             if inner % group == 0:
                 data, sz, vals = _int4(rows, inner, group, g)
                 _close(op.linear_q(x, data, sz, group, rows, f"{variant}:q8", None),

@@ -313,8 +313,9 @@ def test_cuda_round_trip_and_quantize_on_device(precision):
 # --------------------------------------------------------------------------------- int4_native layout
 
 def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
-    """What the native int4 path computes: ``scale * sum(q * x_q8) + (zero - 8 scale) * sum(x)`` per group,
-    x_q8 the activations quantized per block of 32 by the kernels' own ``quantize_q8``."""
+    """What the native int4 path computes: ``scale * sum((q - 8) * x_q8) + zero * sum(x)`` per group,
+    x_q8 the activations as the kernels' own ``quantize_q8`` quantizes them for int4 weights of this group
+    (per block of 32, or of 64 where the group is a multiple of 64)."""
     from engine import kernels
 
     q, d, gsum = kernels.ops().quantize_q8(x.float().contiguous(), qw.group_size)
@@ -323,7 +324,7 @@ def _native_reference(x: torch.Tensor, qw: QWeight) -> torch.Tensor:
     xq = (q.float().view(t, k // 32, 32) * d[:, :, None]).view(t, k // g, g)
     vals = Q._int4_values(qw)[:n].float().view(n, k // g, g)
     s, z = qw.scales[:, :n, 0].t().float(), qw.scales[:, :n, 1].t().float()
-    return torch.einsum("tgk,ngk,ng->tn", xq, vals, s) + torch.einsum("tg,ng->tn", gsum, z - 8 * s)
+    return torch.einsum("tgk,ngk,ng->tn", xq, vals - 8, s) + torch.einsum("tg,ng->tn", gsum, z)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 128), (33, 256), (144, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -363,9 +364,10 @@ def test_qlinear_on_the_native_int4_kernel(m, native_kernels):
     yb = qlinear(x.bfloat16(), qw, "kernel")  # bf16 activations are widened for the kernel, the result cast back
     assert yb.dtype == torch.bfloat16
     _check(qlinear(x, qw, "dequant"), x, qw, "dequant")  # the pure-PyTorch path reads the layout too
-    # Against the unquantized activations: int8 activation rounding costs well under a percent here.
+    # Against the unquantized activations: int8 activation rounding costs under a percent here (0.6-0.7 %; 1-2.7 %
+    # when the -8 scale term took the exact sums of x, before 2026-12-08)
     exact = x @ dequantize(qw).t()
-    assert float((y - exact).norm() / exact.norm()) < 0.02
+    assert float((y - exact).norm() / exact.norm()) < 0.01
 
 
 def test_native_layout_only_where_the_kernels_read_it(native_kernels):
